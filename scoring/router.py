@@ -1,0 +1,134 @@
+"""The router: filters -> ranking policy -> aggregated or prefill/decode plan.
+
+A plan is built in three steps, all pure and vectorised over the model's backends:
+
+1. **Filter.** Only healthy backends take part. Aggregated serving prefers backends with the decode role
+   (a prefill-only pool is kept for prompts); when none is healthy, any healthy backend serves.
+2. **Rank.** A `Ranker` orders the eligible backends best-first: `round_robin`, `least_load` (in-flight plus
+   waiting, divided by capacity), or `prefix` (cache affinity with a load guard, `scoring/prefix.py`). The
+   whole order is kept: entries after the first are the fallbacks the proxy tries on failure.
+3. **Split or not.** `never` serves aggregated. `always` splits whenever a prefill backend distinct from the
+   chosen decode backend is healthy. `auto` splits when the prompt tokens the decode backend does not
+   already hold reach `pd_min_prompt_tokens` (below that, shipping KV costs more than recomputing it).
+   Decode is picked first (like llm-d), so a decode backend that holds the prefix keeps it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from scoring.types import Candidates, Disaggregation, Mode, Outcome, RequestFeatures, RoutePlan
+
+
+class Ranker(Protocol):
+    """Orders the backends in `mask` best-first; returns their indices."""
+
+    name: str
+
+    def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray: ...
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
+        eligible = np.flatnonzero(mask)
+        if eligible.size == 0:
+            return eligible
+        return np.roll(eligible, -(next(self._turn) % eligible.size))
+
+
+class LeastLoad:
+    """Lowest (in-flight + waiting) / capacity first; ties rotate so equal backends share the load."""
+
+    name = "least_load"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
+        eligible = np.flatnonzero(mask)
+        if eligible.size == 0:
+            return eligible
+        rotated = np.roll(eligible, -(next(self._turn) % eligible.size))
+        utilisation = candidates.load[rotated] / np.maximum(candidates.capacity[rotated], 1.0)
+        return rotated[np.argsort(utilisation, kind="stable")]
+
+
+@dataclass(frozen=True, slots=True)
+class SplitSettings:
+    disaggregation: Disaggregation = Disaggregation.NEVER
+    pd_min_prompt_tokens: int = 1024
+
+
+class PlanningRouter:
+    """Implements the `Router` protocol on top of any `Ranker`."""
+
+    def __init__(self, ranker: Ranker, split: SplitSettings) -> None:
+        self.ranker = ranker
+        self.split = split
+        self.name = ranker.name
+
+    def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
+        healthy = candidates.healthy
+        serving = healthy & candidates.can_decode
+        if not serving.any():
+            serving = healthy
+        aggregated = tuple(int(i) for i in self.ranker.rank(request, candidates, serving))
+        if not aggregated:
+            return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
+        if self.split.disaggregation is Disaggregation.NEVER:
+            return RoutePlan(mode=Mode.AGGREGATED, aggregated=aggregated, reason="never")
+        return self._maybe_split(request, candidates, aggregated)
+
+    def _maybe_split(
+        self, request: RequestFeatures, candidates: Candidates, aggregated: tuple[int, ...]
+    ) -> RoutePlan:
+        decode = aggregated[0]
+        prefill_mask = candidates.healthy & candidates.can_prefill
+        prefill_mask[decode] = False
+        if not prefill_mask.any():
+            return RoutePlan(mode=Mode.AGGREGATED, aggregated=aggregated, reason="no_prefill_backend")
+        if self.split.disaggregation is Disaggregation.AUTO:
+            uncached = request.prompt_tokens - int(candidates.cached_tokens[decode])
+            if uncached < self.split.pd_min_prompt_tokens:
+                return RoutePlan(mode=Mode.AGGREGATED, aggregated=aggregated, reason="short_prompt")
+        prefill = tuple(int(i) for i in self.ranker.rank(request, candidates, prefill_mask))
+        decodes = tuple(i for i in aggregated if candidates.can_decode[i]) or aggregated
+        return RoutePlan(mode=Mode.PD, aggregated=aggregated, prefill=prefill, decode=decodes, reason="split")
+
+    def observe(self, outcome: Outcome) -> None:
+        """Plain policies learn nothing from outcomes."""
+
+
+def build_ranker(policy: str, **knobs: float) -> Ranker:
+    if policy == "round_robin":
+        return RoundRobin()
+    if policy == "least_load":
+        return LeastLoad()
+    if policy == "prefix":
+        from scoring.prefix import PrefixRouter  # the prefix policy lives with its long explanation
+
+        return PrefixRouter(**knobs)
+    if policy == "cost":
+        from scoring.cost_policy import CostRanker
+
+        return CostRanker(**knobs)
+    raise ValueError(f"unknown routing policy {policy!r}")
+
+
+def build_router(
+    policy: str,
+    disaggregation: str | Disaggregation = Disaggregation.NEVER,
+    pd_min_prompt_tokens: int = 1024,
+    **knobs: float,
+) -> PlanningRouter:
+    split = SplitSettings(Disaggregation(disaggregation), pd_min_prompt_tokens)
+    return PlanningRouter(build_ranker(policy, **knobs), split)
