@@ -1,0 +1,71 @@
+"""OpenAI-shaped errors, raised anywhere on the request path and rendered at one boundary (api.py).
+
+    GatewayError              -> {"error": {"message", "type", "param", "code"}} with `status`
+     +-- BadRequest            400: malformed JSON, invalid parameters
+     +-- Unauthorized          401: missing or wrong gateway API key
+     +-- ModelNotFound         404: a model the configuration does not serve
+     +-- BodyTooLarge          413: over limits.max_body_bytes
+     +-- NoBackend             503: no healthy backend for the model
+     +-- UpstreamFailed        502/504: every attempt failed (the body never names a backend URL)
+
+Types and codes follow vLLM's own errors (`code` is the HTTP status), so clients see the same shapes whether
+they talk to vLLM directly or through hetgate.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if status is not None:
+            self.status = status
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, self.type, self.param)
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "BadRequestError"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "AuthenticationError"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    type = "NotFoundError"
+
+
+class BodyTooLarge(GatewayError):
+    status = 413
+    type = "RequestEntityTooLarge"
+
+
+class NoBackend(GatewayError):
+    status = 503
+    type = "ServiceUnavailableError"
+
+
+class UpstreamFailed(GatewayError):
+    status = 502
+    type = "BadGatewayError"
+
+
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": status}})
+
+
+def sse_error_event(message: str, status: int = 502) -> bytes:
+    """The in-band error vLLM itself sends when a stream breaks, followed by the end marker."""
+    return b"data: " + error_body(status, message, "BadGatewayError") + b"\n\ndata: [DONE]\n\n"

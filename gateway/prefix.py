@@ -1,0 +1,49 @@
+"""Builds the prefix-cache services when the configuration needs them, and nothing otherwise.
+
+A pure load balancer (`round_robin`/`least_load`, no `auto` split, no KV events) hashes nothing and never
+touches an index: the request path stays as short as a plain proxy's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.affinity import Affinity
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.registry import Registry
+
+
+@dataclass(slots=True)
+class PrefixServices:
+    affinity: Affinity
+    index: Any
+    subscribers: list[Any] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for subscriber in self.subscribers:
+            await subscriber.stop()
+        await self.affinity.drain()
+        await self.index.close()
+
+
+def needs_prefix(config: GatewayConfig) -> bool:
+    routing = config.routing
+    return (
+        routing.policy in ("prefix", "cost")
+        or routing.disaggregation == "auto"
+        or any(b.kv_events is not None for b in config.backends)
+    )
+
+
+async def build_prefix_services(
+    config: GatewayConfig, registry: Registry, metrics: GatewayMetrics
+) -> PrefixServices | None:
+    if not needs_prefix(config):
+        return None
+    from kvindex.wiring import build_prefix_parts
+
+    index, hashers, subscribers = await build_prefix_parts(config, registry, metrics.index_errors)
+    affinity = Affinity(index, hashers, config.index.tenant_salt_header)
+    return PrefixServices(affinity, index, subscribers)
