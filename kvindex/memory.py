@@ -1,0 +1,191 @@
+"""The embedded prefix index: one process, no I/O (the default store).
+
+Layout, chosen so `match` costs one dict lookup per block however many backends there are:
+- per key space (model, block_size): block hash -> bitmask of the backend slots holding it;
+- per backend: an LRU (OrderedDict, oldest first) of its blocks -> time last recorded, sized by the
+  backend's capacity in blocks. All entries share one TTL, so the LRU's front is also the next to
+  expire; expired entries are dropped lazily, before any call that reads that backend.
+
+`match` walks the prompt's blocks AND-ing bitmasks, and stops as soon as no asked-for backend holds the
+block. Recording a prompt touches its blocks tail first, so the prompt's head is the most recently used
+and is evicted last (a backend keeps the start of a prefix longer than its end, as vLLM's free queue does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+
+DEFAULT_CAPACITY_BLOCKS = 1_000_000
+
+
+class _Backend:
+    __slots__ = ("bit", "capacity", "lru")
+
+    def __init__(self, bit: int, capacity: int) -> None:
+        self.bit = bit
+        self.capacity = capacity
+        # (space id, block hash) -> monotonic time it was last recorded.
+        self.lru: OrderedDict[tuple[int, int], float] = OrderedDict()
+
+
+class MemoryIndex:
+    """In-process `PrefixIndex` with per-backend LRU capacity and a TTL."""
+
+    def __init__(
+        self,
+        ttl_s: float = 600.0,
+        capacity_blocks: Mapping[str, int] | None = None,
+        default_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ttl = ttl_s
+        self._capacities = dict(capacity_blocks or {})
+        self._default_capacity = default_capacity_blocks
+        self._clock = clock
+        self._spaces: dict[tuple[str, int], int] = {}
+        self._holders: list[dict[int, int]] = []  # per space id: block hash -> backend bitmask
+        self._backends: dict[str, _Backend] = {}
+        self._free_bits: list[int] = []
+
+    def set_capacity(self, backend_id: str, blocks: int) -> None:
+        """Resize one backend (e.g. once vLLM's num_gpu_blocks is known); evicts at once if smaller."""
+        self._capacities[backend_id] = blocks
+        backend = self._backends.get(backend_id)
+        if backend is not None:
+            backend.capacity = blocks
+            self._evict_over_capacity(backend)
+
+    async def match(
+        self, model: str, block_size: int, hashes: Sequence[int], backend_ids: Sequence[str]
+    ) -> list[int]:
+        counts = [0] * len(backend_ids)
+        space = self._spaces.get((model, block_size))
+        if space is None or not hashes:
+            return counts
+        now = self._clock()
+        wanted = 0
+        slot_of_bit: dict[int, list[int]] = {}
+        for i, backend_id in enumerate(backend_ids):
+            backend = self._backends.get(backend_id)
+            if backend is not None:
+                self._expire(backend, now)
+                wanted |= backend.bit
+                slot_of_bit.setdefault(backend.bit, []).append(i)
+        self._walk(self._holders[space], hashes, wanted, slot_of_bit, counts)
+        return counts
+
+    @staticmethod
+    def _walk(
+        holders: dict[int, int],
+        hashes: Sequence[int],
+        alive: int,
+        slot_of_bit: dict[int, list[int]],
+        counts: list[int],
+    ) -> None:
+        """Leading blocks held per backend: AND the holders' bitmasks until nobody is left."""
+        get = holders.get
+        for depth, block_hash in enumerate(hashes):
+            still = alive & get(block_hash, 0)
+            dropped = alive ^ still
+            while dropped:
+                low = dropped & -dropped
+                for slot in slot_of_bit[low]:
+                    counts[slot] = depth
+                dropped ^= low
+            alive = still
+            if not alive:
+                return
+        while alive:  # held the whole prompt
+            low = alive & -alive
+            for slot in slot_of_bit[low]:
+                counts[slot] = len(hashes)
+            alive ^= low
+
+    async def record(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
+        if not hashes:
+            return
+        backend = self._backend(backend_id)
+        space = self._space(model, block_size)
+        holders = self._holders[space]
+        now = self._clock()
+        lru = backend.lru
+        for block_hash in reversed(hashes):  # head last: most recently used, evicted last
+            key = (space, block_hash)
+            if key in lru:
+                lru.move_to_end(key)
+            holders[block_hash] = holders.get(block_hash, 0) | backend.bit
+            lru[key] = now
+        self._expire(backend, now)
+        self._evict_over_capacity(backend)
+
+    async def remove(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
+        backend = self._backends.get(backend_id)
+        space = self._spaces.get((model, block_size))
+        if backend is None or space is None:
+            return
+        for block_hash in hashes:
+            if backend.lru.pop((space, block_hash), None) is not None:
+                self._drop_holder(space, block_hash, backend.bit)
+
+    async def clear_backend(self, backend_id: str) -> None:
+        backend = self._backends.pop(backend_id, None)
+        if backend is None:
+            return
+        for space, block_hash in backend.lru:
+            self._drop_holder(space, block_hash, backend.bit)
+        backend.lru.clear()
+        self._free_bits.append(backend.bit)
+
+    async def close(self) -> None:
+        self._holders.clear()
+        self._spaces.clear()
+        self._backends.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Sizes for benchmarks and debugging (no hashes, no ids)."""
+        return {
+            "backends": len(self._backends),
+            "blocks": sum(len(h) for h in self._holders),
+            "entries": sum(len(b.lru) for b in self._backends.values()),
+        }
+
+    def _backend(self, backend_id: str) -> _Backend:
+        backend = self._backends.get(backend_id)
+        if backend is None:
+            bit = self._free_bits.pop() if self._free_bits else 1 << len(self._backends)
+            capacity = self._capacities.get(backend_id, self._default_capacity)
+            backend = self._backends[backend_id] = _Backend(bit, capacity)
+        return backend
+
+    def _space(self, model: str, block_size: int) -> int:
+        space = self._spaces.get((model, block_size))
+        if space is None:
+            space = self._spaces[(model, block_size)] = len(self._holders)
+            self._holders.append({})
+        return space
+
+    def _expire(self, backend: _Backend, now: float) -> None:
+        lru = backend.lru
+        deadline = now - self._ttl
+        while lru:
+            key, touched = next(iter(lru.items()))
+            if touched > deadline:
+                return
+            del lru[key]
+            self._drop_holder(key[0], key[1], backend.bit)
+
+    def _evict_over_capacity(self, backend: _Backend) -> None:
+        lru = backend.lru
+        while len(lru) > backend.capacity:
+            (space, block_hash), _ = lru.popitem(last=False)
+            self._drop_holder(space, block_hash, backend.bit)
+
+    def _drop_holder(self, space: int, block_hash: int, bit: int) -> None:
+        holders = self._holders[space]
+        mask = holders.get(block_hash, 0) & ~bit
+        if mask:
+            holders[block_hash] = mask
+        else:
+            holders.pop(block_hash, None)

@@ -1,0 +1,130 @@
+"""The PrefixIndex contract, run against the memory store and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvindex.prompt import PromptHasher
+
+MODEL = "tiny"
+BS = 16
+
+
+def blocks(*ids: int) -> list[int]:
+    """Stand-in chained hashes: distinct 64-bit values, one per id."""
+    return [(0x9E3779B97F4A7C15 * (i + 1)) % 2**64 for i in ids]
+
+
+PROMPT = blocks(*range(8))
+
+
+async def test_empty_index_matches_nothing(index) -> None:
+    assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [0, 0]
+
+
+async def test_empty_inputs(index) -> None:
+    await index.record(MODEL, BS, [], "a")
+    assert await index.match(MODEL, BS, [], ["a"]) == [0]
+    assert await index.match(MODEL, BS, PROMPT, []) == []
+
+
+async def test_longest_leading_prefix_per_backend_in_order(index) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    await index.record(MODEL, BS, PROMPT[:3], "b")
+    counts = await index.match(MODEL, BS, PROMPT, ["unknown", "b", "a"])
+    assert counts == [0, 3, 8]
+
+
+async def test_only_leading_blocks_count(index) -> None:
+    await index.record(MODEL, BS, PROMPT[:2] + blocks(100, 101), "a")
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [2]
+    # A prompt that diverges at block 0 shares nothing, even if later hashes exist.
+    assert await index.match(MODEL, BS, blocks(50) + PROMPT[1:], ["a"]) == [0]
+
+
+async def test_prompt_shorter_than_cached(index) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    assert await index.match(MODEL, BS, PROMPT[:5], ["a"]) == [5]
+
+
+async def test_key_spaces_are_separate(index) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    assert await index.match("other-model", BS, PROMPT, ["a"]) == [0]
+    assert await index.match(MODEL, 128, PROMPT, ["a"]) == [0]
+
+
+async def test_remove_cuts_the_prefix_at_the_removed_block(index) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    await index.record(MODEL, BS, PROMPT, "b")
+    await index.remove(MODEL, BS, [PROMPT[4]], "a")
+    assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [4, 8]
+
+
+async def test_clear_backend_forgets_only_that_backend(index) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    await index.record("other-model", 128, PROMPT, "a")
+    await index.record(MODEL, BS, PROMPT, "b")
+    await index.clear_backend("a")
+    assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [0, 8]
+    assert await index.match("other-model", 128, PROMPT, ["a"]) == [0]
+    await index.clear_backend("never-seen")
+    await index.record(MODEL, BS, PROMPT[:2], "a")
+    assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [2, 8]
+
+
+async def test_many_backends_in_one_match(index) -> None:
+    ids = [f"be-{i}" for i in range(70)]  # more than 64: bitmasks must grow past one word
+    for i, backend_id in enumerate(ids):
+        await index.record(MODEL, BS, PROMPT[: i % 9], backend_id)
+    assert await index.match(MODEL, BS, PROMPT, ids) == [i % 9 for i in range(70)]
+
+
+async def test_entries_expire_after_ttl(store_factory) -> None:
+    index = store_factory(ttl_s=0.3)
+    await index.record(MODEL, BS, PROMPT, "a")
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [8]
+    await asyncio.sleep(0.45)
+    await index.record(MODEL, BS, PROMPT[:2], "b")
+    assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [0, 2]
+
+
+async def test_recording_again_refreshes_the_ttl(store_factory) -> None:
+    index = store_factory(ttl_s=0.4)
+    await index.record(MODEL, BS, PROMPT, "a")
+    await asyncio.sleep(0.25)
+    await index.record(MODEL, BS, PROMPT[:3], "a")
+    await asyncio.sleep(0.25)
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [3]
+
+
+async def test_capacity_evicts_least_recent_tail_first(store_factory) -> None:
+    index = store_factory(capacity_blocks={"a": 4}, default_capacity_blocks=100)
+    await index.record(MODEL, BS, PROMPT[:6], "a")
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [4]  # the head stays, the tail went
+    other = blocks(200, 201, 202)
+    await index.record(MODEL, BS, other, "a")
+    assert await index.match(MODEL, BS, other, ["a"]) == [3]
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [1]
+    # Other backends keep their default capacity.
+    await index.record(MODEL, BS, PROMPT, "b")
+    assert await index.match(MODEL, BS, PROMPT, ["b"]) == [8]
+
+
+async def test_tenant_salts_never_share_hits(index) -> None:
+    hasher = PromptHasher(MODEL, [BS])
+    body = {"messages": [{"role": "user", "content": "x" * 4 * BS * 6}]}
+    _, mine = hasher.features(body, "chat", tenant="tenant-a")
+    _, theirs = hasher.features(body, "chat", tenant="tenant-b")
+    await index.record(MODEL, BS, mine[BS], "a")
+    assert await index.match(MODEL, BS, mine[BS], ["a"]) == [6]
+    assert await index.match(MODEL, BS, theirs[BS], ["a"]) == [0]
+
+
+@pytest.mark.parametrize("store_kind", ["memory"])
+async def test_memory_set_capacity_shrinks_at_once(store_factory) -> None:
+    index = store_factory()
+    await index.record(MODEL, BS, PROMPT, "a")
+    index.set_capacity("a", 2)
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [2]

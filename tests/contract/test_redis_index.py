@@ -1,0 +1,128 @@
+"""What only the Redis store promises: one round trip, TTLs, validated values, no text stored."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import pytest
+from redis_server import RedisServer
+
+from kvindex.redis import InvalidReply, RedisIndex, _validated_counts
+
+pytestmark = pytest.mark.redis
+
+MODEL = "tiny"
+BS = 16
+PROMPT = [(0x9E3779B97F4A7C15 * (i + 1)) % 2**64 for i in range(8)]
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"test-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+async def index(redis_server: RedisServer, prefix: str):
+    store = RedisIndex.from_url(redis_server.url, key_prefix=prefix)
+    yield store
+    await store.close()
+
+
+def _keys(server: RedisServer, prefix: str) -> list[bytes]:
+    with server.sync_client() as client:
+        return sorted(client.scan_iter(match=f"{{{prefix}}}:*"))
+
+
+def _client_commands_between_markers(
+    server: RedisServer, marker: str, monitoring: threading.Event
+) -> list[str]:
+    """Commands sent by clients (not by scripts) between two ECHO markers, read from MONITOR."""
+    commands: list[str] = []
+    with server.sync_client() as client, client.monitor() as monitor:
+        monitoring.set()  # MONITOR has been acknowledged: every later command is seen
+        seen_start = False
+        while True:
+            entry = monitor.next_command()
+            command = entry["command"]
+            if command == f"ECHO {marker}-start":
+                seen_start = True
+            elif command == f"ECHO {marker}-end":
+                return commands
+            elif seen_start and entry["client_type"] != "lua":
+                commands.append(command.split(" ", 1)[0].upper())
+
+
+async def test_one_round_trip_per_match(index: RedisIndex, redis_server: RedisServer) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    await index.match(MODEL, BS, PROMPT, ["a"])  # loads the script if this server lacks it
+    marker = uuid.uuid4().hex
+    monitoring = threading.Event()
+    watcher = asyncio.create_task(
+        asyncio.to_thread(_client_commands_between_markers, redis_server, marker, monitoring)
+    )
+    assert await asyncio.to_thread(monitoring.wait, 10)
+    with redis_server.sync_client() as client:
+        client.echo(f"{marker}-start")
+        ids = [f"be-{i}" for i in range(64)]
+        assert await index.match(MODEL, BS, PROMPT, ["a", *ids]) == [8] + [0] * 64
+        client.echo(f"{marker}-end")
+    assert await asyncio.wait_for(watcher, 10) == ["EVALSHA"]
+
+
+async def test_layout_every_key_has_a_ttl_and_holds_only_hashes(
+    index: RedisIndex, redis_server: RedisServer, prefix: str
+) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    block_keys = {f"{{{prefix}}}:{MODEL}:{BS}:{h:016x}".encode() for h in PROMPT}
+    backend_key = f"{{{prefix}}}:backend:a".encode()
+    assert set(_keys(redis_server, prefix)) == block_keys | {backend_key}
+    with redis_server.sync_client() as client:
+        for key in block_keys | {backend_key}:
+            assert 0 < client.pttl(key) <= 600_000
+        for key in block_keys:
+            fields = client.hgetall(key)
+            assert list(fields) == [b"a"] and fields[b"a"].isdigit()
+        assert set(client.zrange(backend_key, 0, -1)) == block_keys
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"not-a-number", b"", b"1e999", b"-5", b"99999999999999999999"],
+    ids=["text", "empty", "inf", "negative", "far-future"],
+)
+async def test_garbage_expiry_values_count_as_absent(
+    index: RedisIndex, redis_server: RedisServer, prefix: str, garbage: bytes
+) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    key = f"{{{prefix}}}:{MODEL}:{BS}:{PROMPT[3]:016x}"
+    with redis_server.sync_client() as client:
+        client.hset(key, "a", garbage)
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [3]
+
+
+async def test_wrong_type_key_stops_the_match_and_is_overwritten(
+    index: RedisIndex, redis_server: RedisServer, prefix: str
+) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    key = f"{{{prefix}}}:{MODEL}:{BS}:{PROMPT[2]:016x}"
+    with redis_server.sync_client() as client:
+        client.delete(key)
+        client.set(key, "foreign string value")
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [2]
+    await index.record(MODEL, BS, PROMPT, "a")
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [8]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [None, "3", [1], [1, 2, 3], [1, -1], [1, 9], [1, b"2"], [1, 2.0]],
+)
+def test_invalid_replies_are_rejected(reply: object) -> None:
+    with pytest.raises(InvalidReply):
+        _validated_counts(reply, n_backends=2, n_blocks=8)
+
+
+def test_valid_reply_passes() -> None:
+    assert _validated_counts([0, 8], n_backends=2, n_blocks=8) == [0, 8]
