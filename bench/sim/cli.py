@@ -1,0 +1,120 @@
+"""`hetgate sim ...`: run one simulated vLLM backend. Flag names follow vLLM's where vLLM has the flag.
+
+Prints `SIM_READY http://HOST:PORT` on stdout once serving (SimProcess waits for that line), and,
+when KV events are on, `SIM_KV_EVENTS <endpoint>` just before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+
+from bench.sim.faults import FaultPlan
+from bench.sim.kv_events import KVEventsConfig
+from bench.sim.server import READY_PREFIX, ROLES, SimServer, SimServerConfig, serve_forever
+from bench.sim.simple_engine import SimpleEngineConfig
+
+_SIMPLE = SimpleEngineConfig()  # the simple engine's defaults
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetgate sim", description="Simulated vLLM 0.32 OpenAI-compatible backend"
+    )
+    add = parser.add_argument
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000, help="0 picks a free port (printed on the ready line)")
+    add("--model", default="sim-model")
+    add("--served-model-name", nargs="+", default=None)
+    add("--role", choices=ROLES, default="both", help="P/D role: prefill, decode, or both")
+    add("--engine", choices=("simple", "cost"), default="simple")
+    add("--accelerator", default="mi300x")
+    add("--gpus", type=int, default=8)
+    add("--time-scale", type=float, default=1.0, help="simulated seconds per wall second")
+    add("--max-model-len", type=int, default=8192)
+    add("--block-size", type=int, default=16)
+    add("--num-gpu-blocks-override", type=int, default=None)
+    add("--cost-model", default=None, help="cost engine: model name in configs/models.yaml (default --model)")
+    add("--enable-prompt-tokens-details", action="store_true")
+    add("--enable-force-include-usage", action="store_true")
+    add("--kv-events-config", type=KVEventsConfig.from_json, default=None, help="JSON, as vLLM's flag")
+    add("--kv-transfer-config", type=json.loads, default=None, help="JSON, as vLLM's flag")
+    add(
+        "--faults",
+        type=lambda text: FaultPlan.from_dict(json.loads(text)),
+        default=None,
+        help="fault plan JSON",
+    )
+    add("--ttft-base-s", type=float, default=_SIMPLE.ttft_base_s, help="simple engine")
+    add("--prefill-token-s", type=float, default=_SIMPLE.prefill_token_s, help="simple engine")
+    add("--tpot-s", type=float, default=_SIMPLE.tpot_s, help="simple engine")
+    add("--max-num-seqs", type=int, default=_SIMPLE.max_num_seqs)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SimServerConfig:
+    return SimServerConfig(
+        model=args.model,
+        served_model_names=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        role=args.role,
+        engine=args.engine,
+        accelerator=args.accelerator,
+        gpus=args.gpus,
+        time_scale=args.time_scale,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks_override,
+        cost_model=args.cost_model,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        kv_events=args.kv_events_config or KVEventsConfig(),
+        kv_transfer_config=args.kv_transfer_config,
+        faults=args.faults or FaultPlan(),
+        simple_engine=SimpleEngineConfig(
+            ttft_base_s=args.ttft_base_s,
+            prefill_token_s=args.prefill_token_s,
+            tpot_s=args.tpot_s,
+            max_num_seqs=args.max_num_seqs,
+        ),
+    )
+
+
+def _announce(server: SimServer) -> None:
+    if server.publisher is not None:
+        print(f"SIM_KV_EVENTS {server.publisher.endpoint}", flush=True)
+    print(f"{READY_PREFIX}{server.url}", flush=True)
+
+
+async def _run(config: SimServerConfig) -> None:
+    task = asyncio.create_task(serve_forever(config, _announce))
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def main(argv: list[str]) -> int:
+    try:
+        config = config_from_args(build_parser().parse_args(argv))
+    except ValueError as err:
+        print(f"hetgate sim: {err}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # uvloop is optional; asyncio's loop works, slower
+        pass
+    asyncio.run(_run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
