@@ -30,7 +30,8 @@ The knobs
   queueing behind a hot backend. SGLang's default is 64, tuned for GPUs with hundreds of concurrent
   sequences; we default lower because hetgate mixes slower accelerators with smaller batches.
 - `balance_rel_threshold` (default 1.5): the same bound as a ratio to the least-loaded backend's load.
-  With both at their defaults an affinity target is abandoned at, e.g., 49 vs 16 but kept at 48 vs 16 or 40 vs 30.
+  With both at their defaults an affinity target is abandoned at, e.g., 49 vs 16, but kept at 48 vs 16
+  or 40 vs 30.
 
 `prefix_hit_score` gives the cost router the same signal as a score in [0, 1]: the share of the prompt
 each backend already holds.
