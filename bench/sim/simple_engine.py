@@ -24,7 +24,7 @@ import time
 import uuid
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,15 +127,21 @@ class PrefixCache:
 @dataclass(slots=True)
 class _HeldTransfer:
     blocks: int
-    expires_at: float  # time.monotonic()
+    expires_at: float  # engine clock
 
 
 class SimpleEngine:
     """Fixed-delay implementation of `bench.sim.engine_api.Engine`; see the module docstring."""
 
     def __init__(
-        self, config: SimpleEngineConfig | None = None, kv_events: KVEventSink | None = None
+        self,
+        config: SimpleEngineConfig | None = None,
+        kv_events: KVEventSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
+        # `clock` and `sleep` are the engine's notion of wall time; tests pass a manual clock.
+        self._clock, self._sleep = clock, sleep
         self.config = config or SimpleEngineConfig()
         self._kv_events = kv_events
         self._cache = PrefixCache(self.config.block_size, self.config.num_gpu_blocks)
@@ -196,8 +202,7 @@ class SimpleEngine:
 
     async def _run(self, request: SimRequest) -> AsyncIterator[TokenOutput]:
         config = self.config
-        clock = asyncio.get_running_loop().time
-        started = clock()
+        started = self._clock()
         prompt = request.prompt_token_ids
         hashes = block_hashes(prompt, config.block_size)
         cached, transferred = self._account_prompt(request, hashes)
@@ -251,7 +256,7 @@ class SimpleEngine:
         block_ids = list(range(self._next_block_id, self._next_block_id + num_blocks))
         self._next_block_id += num_blocks
         lease_wall_s = config.kv_lease_s / config.time_scale
-        self._held[request.request_id] = _HeldTransfer(num_blocks, time.monotonic() + lease_wall_s)
+        self._held[request.request_id] = _HeldTransfer(num_blocks, self._clock() + lease_wall_s)
         # NIXL pull-mode shape (vLLM 0.32); the server fills remote_host/remote_port with its own address.
         return {
             "do_remote_prefill": True,
@@ -286,7 +291,7 @@ class SimpleEngine:
             self._kv_events.publish(events)
 
     def _expire_leases(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         for request_id in [rid for rid, held in self._held.items() if held.expires_at <= now]:
             del self._held[request_id]
 
@@ -295,11 +300,10 @@ class SimpleEngine:
             await asyncio.sleep(0.05)
             self._expire_leases()
 
-    @staticmethod
-    async def _sleep_until(deadline: float) -> None:
-        delay = deadline - asyncio.get_running_loop().time()
+    async def _sleep_until(self, deadline: float) -> None:
+        delay = deadline - self._clock()
         if delay > 0:
-            await asyncio.sleep(delay)
+            await self._sleep(delay)
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
