@@ -1,0 +1,412 @@
+"""Discrete-event mode: replay a workload through the real router against many simulated engines, no HTTP.
+
+Each backend is a `SchedulerCore` (`bench/sim/scheduler.py`) timed by the roofline of its accelerator. A heap
+of events drives them: a request arrives, the router plans it from `Candidates` built from every engine's
+live state (the same fields the gateway's registry fills from its in-flight counts and vLLM's /metrics, plus
+the cached-prefix tokens a precise prefix index would report), and the plan is executed:
+
+* aggregated: the request goes to `plan.aggregated[0]`;
+* P/D: a prefill-only leg on `plan.prefill[0]`; when its token comes out, the decode leg goes to
+  `plan.decode[0]` carrying the prompt as remote KV; the decoder allocates blocks, waits the KV transfer
+  time of `scoring/cost.py` (prefiller's and decoder's links) and decodes; the prefiller frees the KV when
+  the decoder has pulled it.
+
+An engine is stepped whenever it is idle and has work; a step's outputs are delivered when the step ends.
+Prompt block hashes come from `kvindex/hashing.py`, as on the gateway's request path.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bench.sim.scheduler import EngineRequest, SchedulerConfig, SchedulerCore, StepOutput, StepTimer
+from bench.workloads import WorkloadRequest
+from kvindex.hashing import HashMode, hash_token_ids, root_hash
+from scoring.catalog import Accelerator, ModelSpec
+from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time
+from scoring.types import BackendSpec, BackendStats, Candidates, Mode, Outcome, RequestFeatures, Router
+
+_ARRIVE, _STEP_END, _WAKE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class SimBackend:
+    spec: BackendSpec
+    accelerator: Accelerator
+    max_num_batched_tokens: int = 8192
+    num_gpu_blocks: int | None = None  # None: what the cost model says fits after the weights
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    arrival_s: float
+    prompt_len: int
+    max_tokens: int
+    mode: str = ""
+    backend: str = ""  # the aggregated backend, or the decode backend of a P/D pair
+    prefill_backend: str = ""
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    first_token_s: float = float("nan")
+    finish_s: float = float("nan")
+    error: str = ""
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+
+@dataclass(slots=True)
+class DesResult:
+    records: list[RequestRecord]
+    token_times: np.ndarray  # end time of each step that produced client-visible tokens
+    token_counts: np.ndarray  # how many client-visible tokens that step produced
+    steps: int
+    wall_s: float
+    engine_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def makespan_s(self) -> float:
+        return float(self.token_times.max()) if self.token_times.size else 0.0
+
+    def output_throughput(self, window: tuple[float, float] = (0.0, 1.0)) -> float:
+        """Client-visible output tokens per simulated second within a fraction of the makespan."""
+        if not self.token_times.size:
+            return 0.0
+        start, end = window[0] * self.makespan_s, window[1] * self.makespan_s
+        inside = (self.token_times > start) & (self.token_times <= end)
+        return float(self.token_counts[inside].sum()) / max(end - start, 1e-12)
+
+    def summary(self) -> dict[str, float]:
+        done = [r for r in self.records if not r.error and r.finish_s == r.finish_s]
+        ttft = np.array([r.ttft_s for r in done]) if done else np.zeros(1)
+        return {
+            "requests": len(self.records),
+            "completed": len(done),
+            "failed": sum(1 for r in self.records if r.error),
+            "makespan_s": self.makespan_s,
+            "output_tok_s": self.output_throughput(),
+            "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p90_s": float(np.percentile(ttft, 90)),
+            "pd_share": sum(1 for r in done if r.mode == Mode.PD) / max(len(done), 1),
+            "steps": self.steps,
+            "wall_s": self.wall_s,
+        }
+
+
+class Simulation:
+    """Engines of one model behind one router; `run` replays a workload, returns per-request records."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        backends: Sequence[SimBackend],
+        router: Router,
+        efficiency: Efficiency = DEFAULT_EFFICIENCY,
+    ) -> None:
+        self.model = model
+        self.backends = tuple(backends)
+        self.router = router
+        self.efficiency = efficiency
+        self.specs = tuple(b.spec for b in self.backends)
+        self.hardware = [
+            Hardware.of([b.accelerator], [b.spec.gpus], model.compute_dtype) for b in self.backends
+        ]
+        self.engines = [self._engine(b, hw) for b, hw in zip(self.backends, self.hardware, strict=True)]
+        self.block_sizes = sorted({b.spec.block_size for b in self.backends})
+        self._root = root_hash(HashMode.TOKENS, model.name)
+
+    def _engine(self, backend: SimBackend, hardware: Hardware) -> SchedulerCore:
+        timer = StepTimer(self.model, hardware, self.efficiency)
+        blocks = backend.num_gpu_blocks or timer.kv_capacity_blocks(backend.spec.block_size)
+        config = SchedulerConfig(
+            max_num_seqs=backend.spec.max_num_seqs,
+            max_num_batched_tokens=backend.max_num_batched_tokens,
+            block_size=backend.spec.block_size,
+            num_gpu_blocks=max(1, blocks),
+        )
+        return SchedulerCore(config, timer)
+
+    def run(self, workload: Sequence[WorkloadRequest], concurrency: int | None = None) -> DesResult:
+        return _Run(self, workload, concurrency).execute()
+
+
+class _Run:
+    """One replay: the event heap and the bookkeeping between router decisions and engine steps."""
+
+    def __init__(self, sim: Simulation, workload: Sequence[WorkloadRequest], concurrency: int | None) -> None:
+        self.sim = sim
+        self.workload = workload
+        self.concurrency = concurrency
+        n = len(sim.engines)
+        self.heap: list[tuple[float, int, int, int]] = []
+        self.seq = 0
+        self.busy = [False] * n
+        self.pending: list[StepOutput | None] = [None] * n
+        self.wake_at = [float("inf")] * n
+        self.in_flight = [0] * n
+        self.records = [
+            RequestRecord(w.request_id, w.arrival_s, w.prompt_len, w.max_tokens) for w in workload
+        ]
+        self.index = {w.request_id: i for i, w in enumerate(workload)}
+        self.hashes: dict[int, dict[int, list[int]]] = {}
+        self.legs: dict[tuple[int, str], int] = {}  # (engine, request id) -> record index
+        self.pd_pending: dict[
+            str, tuple[int, int]
+        ] = {}  # P/D: request id -> (prefiller, decoder) until decode
+        self.prefill_of: dict[str, int] = {}  # P/D: request id -> prefill engine, until the KV is pulled
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self.steps = 0
+        self.next_issue = 0
+
+    # --- the loop ---------------------------------------------------------------------------------------
+    def execute(self) -> DesResult:
+        started = time.perf_counter()
+        self._issue_initial()
+        while self.heap:
+            t, _seq, kind, arg = heapq.heappop(self.heap)
+            if kind == _ARRIVE:
+                self._arrive(arg, t)
+            elif kind == _STEP_END:
+                self._step_end(arg, t)
+            elif t >= self.wake_at[arg]:
+                self.wake_at[arg] = float("inf")
+                self._kick(arg, t)
+        return DesResult(
+            self.records,
+            np.asarray(self.times),
+            np.asarray(self.counts),
+            self.steps,
+            time.perf_counter() - started,
+            {spec.id: _stats_row(e) for spec, e in zip(self.sim.specs, self.sim.engines, strict=True)},
+        )
+
+    def _push(self, t: float, kind: int, arg: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, arg))
+
+    def _issue_initial(self) -> None:
+        if self.concurrency is None:
+            for i, w in enumerate(self.workload):
+                self._push(w.arrival_s, _ARRIVE, i)
+            self.next_issue = len(self.workload)
+            return
+        for _ in range(min(self.concurrency, len(self.workload))):
+            self._issue_next(0.0)
+
+    def _issue_next(self, t: float) -> None:
+        if self.next_issue < len(self.workload):
+            self.records[self.next_issue].arrival_s = t
+            self._push(t, _ARRIVE, self.next_issue)
+            self.next_issue += 1
+
+    # --- routing ----------------------------------------------------------------------------------------
+    def _arrive(self, i: int, t: float) -> None:
+        w = self.workload[i]
+        hashes = self._hashes(i, w)
+        candidates = self._candidates(hashes)
+        features = RequestFeatures(self.sim.specs[0].model, w.prompt_len, w.max_tokens, False, hashes)
+        plan = self.sim.router.plan(features, candidates)
+        record = self.records[i]
+        record.mode = plan.mode
+        if plan.mode == Mode.PD and plan.prefill and plan.decode:
+            record.prefill_backend = self.sim.specs[plan.prefill[0]].id
+            record.backend = self.sim.specs[plan.decode[0]].id
+            self._submit(
+                plan.prefill[0],
+                i,
+                EngineRequest(
+                    w.request_id, w.prompt_len, 1, hashes[self._bs(plan.prefill[0])], prefill_only=True
+                ),
+                t,
+            )
+            self.pd_pending[w.request_id] = (plan.prefill[0], plan.decode[0])
+            return
+        if not plan.aggregated:
+            self._fail(i, t, plan.reason or "no_backend")
+            return
+        target = plan.aggregated[0]
+        record.backend = self.sim.specs[target].id
+        self._submit(
+            target, i, EngineRequest(w.request_id, w.prompt_len, w.max_tokens, hashes[self._bs(target)]), t
+        )
+
+    def _hashes(self, i: int, w: WorkloadRequest) -> dict[int, list[int]]:
+        tokens = w.token_array()
+        return {bs: hash_token_ids(tokens, bs, self.sim._root) for bs in self.sim.block_sizes}
+
+    def _bs(self, engine: int) -> int:
+        return self.sim.specs[engine].block_size
+
+    def _candidates(self, hashes: dict[int, list[int]]) -> Candidates:
+        engines = self.sim.engines
+        stats = tuple(
+            BackendStats(
+                in_flight=self.in_flight[k],
+                running=len(e.running),
+                waiting=len(e.waiting) + len(e.transferring),
+                kv_usage=1.0 - e.pool.num_free / e.config.num_gpu_blocks,
+            )
+            for k, e in enumerate(engines)
+        )
+        cached = np.fromiter(
+            (e.cached_prefix_tokens(hashes[e.config.block_size]) for e in engines),
+            dtype=np.int64,
+            count=len(engines),
+        )
+        return Candidates.build(self.sim.specs, stats, cached)
+
+    def _submit(self, engine: int, i: int, request: EngineRequest, t: float) -> None:
+        try:
+            self.sim.engines[engine].add_request(request)
+        except ValueError as exc:
+            self._fail(i, t, str(exc))
+            return
+        self.in_flight[engine] += 1
+        self.legs[(engine, request.request_id)] = i
+        self._kick(engine, t)
+
+    def _fail(self, i: int, t: float, reason: str) -> None:
+        self.records[i].error = reason
+        if self.concurrency is not None:
+            self._issue_next(t)
+
+    # --- engines ----------------------------------------------------------------------------------------
+    def _kick(self, engine: int, t: float) -> None:
+        if self.busy[engine]:
+            return
+        core = self.sim.engines[engine]
+        out = core.step(t)
+        self._release_pulled(out)
+        if out.idle:
+            wakeup = core.next_wakeup()
+            if wakeup is not None and wakeup < self.wake_at[engine]:
+                self.wake_at[engine] = max(wakeup, t)
+                self._push(max(wakeup, t), _WAKE, engine)
+            return
+        self.steps += 1
+        self.busy[engine] = True
+        self.pending[engine] = out
+        self._push(out.end_s, _STEP_END, engine)
+
+    def _release_pulled(self, out: StepOutput) -> None:
+        for request_id in out.kv_pulled:
+            prefiller = self.prefill_of.pop(request_id, None)
+            if prefiller is not None and self.sim.engines[prefiller].release_kv(request_id):
+                self._kick(prefiller, out.start_s)
+
+    def _step_end(self, engine: int, t: float) -> None:
+        out = self.pending[engine]
+        self.busy[engine] = False
+        self.pending[engine] = None
+        assert out is not None
+        visible = 0
+        for event in out.events:
+            i = self.legs.get((engine, event.request_id))
+            if i is None:
+                continue
+            if self._on_token(
+                engine,
+                i,
+                event.request_id,
+                event.first_token,
+                event.finish_reason,
+                event.num_cached_tokens,
+                t,
+            ):
+                visible += 1
+        if visible:
+            self.times.append(t)
+            self.counts.append(visible)
+        self._kick(engine, t)
+
+    def _on_token(
+        self, engine: int, i: int, rid: str, first: bool, finish: str | None, cached: int, t: float
+    ) -> bool:
+        """Book one token; returns whether the client sees it (a prefill leg's token is dropped)."""
+        record = self.records[i]
+        pair = self.pd_pending.get(rid)
+        if pair is not None and pair[0] == engine:
+            self._start_decode_leg(engine, pair[1], i, t)
+            return False
+        if first:
+            record.first_token_s = t
+            record.cached_tokens = cached
+        record.output_tokens += 1
+        if finish is not None:
+            self._finish(engine, i, rid, t)
+        return True
+
+    def _start_decode_leg(self, prefiller: int, decoder: int, i: int, t: float) -> None:
+        w = self.workload[i]
+        self.in_flight[prefiller] -= 1
+        del self.legs[(prefiller, w.request_id)]
+        del self.pd_pending[w.request_id]
+        bs = self._bs(decoder)
+        remote = (w.prompt_len - 1) // bs * bs
+        transfer = float(
+            kv_transfer_time(
+                self.sim.model,
+                self.sim.hardware[prefiller],
+                self.sim.hardware[decoder],
+                remote,
+                self.sim.efficiency,
+            )[0]
+        )
+        hashes = hash_token_ids(w.token_array(), bs, self.sim._root)
+        self.prefill_of[w.request_id] = prefiller
+        request = EngineRequest(
+            w.request_id, w.prompt_len, w.max_tokens, hashes, remote_kv_tokens=remote, kv_transfer_s=transfer
+        )
+        self._submit(decoder, i, request, t)
+
+    def _finish(self, engine: int, i: int, rid: str, t: float) -> None:
+        record = self.records[i]
+        record.finish_s = t
+        self.in_flight[engine] -= 1
+        del self.legs[(engine, rid)]
+        self.sim.router.observe(
+            Outcome(
+                backend_id=self.sim.specs[engine].id,
+                mode=Mode(record.mode),
+                prompt_tokens=record.prompt_len,
+                cached_tokens=record.cached_tokens,
+                output_tokens=record.output_tokens,
+                ttft_s=record.ttft_s,
+                e2e_s=t - record.arrival_s,
+            )
+        )
+        if self.concurrency is not None:
+            self._issue_next(t)
+
+
+def _stats_row(engine: SchedulerCore) -> dict[str, float]:
+    s = engine.stats()
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "generation_tokens": s.generation_tokens,
+        "prefix_cache_hits": s.prefix_cache_hits,
+        "preemptions": s.num_preemptions,
+        "kv_held_for_transfer_blocks": s.kv_held_for_transfer_blocks,
+    }
+
+
+def make_backends(
+    entries: Sequence[tuple[str, Accelerator, int, frozenset]],
+    model: str,
+    *,
+    max_num_seqs: int = 256,
+    block_size: int = 16,
+) -> list[SimBackend]:
+    """`(id, accelerator, gpus, roles)` tuples -> `SimBackend`s with gateway-like `BackendSpec`s."""
+    return [
+        SimBackend(BackendSpec(bid, model, acc.name, gpus, roles, max_num_seqs, block_size), acc)
+        for bid, acc, gpus, roles in entries
+    ]

@@ -1,0 +1,218 @@
+"""Roofline cost model: how long prefill, a decode step and a KV transfer take on each backend.
+
+Everything is numpy and vectorised over backends: `Hardware` holds one row per backend (a device times its
+count of GPUs), and every function broadcasts over those rows (scalars work too). The same formulas time the
+simulator's engine steps (`bench/sim/scheduler.py`) and score backends in the router.
+
+One engine step (vLLM runs GEMMs and attention as separate kernels, so each gets its own roofline and they
+add up):
+
+* **GEMMs**: `2 * active_params` FLOPs per token in the step, against reading the weights once. A MoE step
+  reads the always-on weights plus only the experts some token picked: with T tokens each choosing k of E
+  experts, the expected distinct experts per layer is `E * (1 - (1 - k/E) ** T)`. Time is
+  `max(FLOPs / (peak * mfu), bytes / (bandwidth * bw_util))`.
+* **Attention**: prefill does `attn_flops_per_pair` FLOPs for every (query, key) pair (causal: n new tokens
+  after c cached ones make `n * c + n * (n + 1) / 2` pairs) at the BF16 peak; decode reads every sequence's
+  KV once. Same max(compute, memory) rule.
+* A fixed per-step overhead (scheduling, kernel launches, sampling, the Python of the engine).
+
+Because a chunk of prefill makes the GEMM phase compute-bound, decodes that share the step wait for it: that
+is the prefill/decode interference that disaggregation removes.
+
+MLA (DeepSeek) keeps one latent KV per token that every tensor-parallel rank holds and reads in full, so its
+KV capacity and KV read time do not shrink with the GPU count (`kv_replication`).
+
+Efficiency defaults follow epsteinj/disagg's calibrated roofline (comp_eff 0.50, bw_eff 0.70); InferSim
+reports ~15 % error for this style of model on DeepSeek-V3. Fit them per deployment when you have one
+measurement (see `bench/seed_case.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from scoring.catalog import Accelerator, ModelSpec
+
+ArrayLike = np.ndarray | float | int
+TB = 1e12
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """The knobs between peak figures and what a serving engine gets."""
+
+    mfu: float = 0.50  # fraction of peak dense FLOPS (epsteinj/disagg comp_eff)
+    bw_util: float = 0.70  # fraction of peak memory bandwidth (epsteinj/disagg bw_eff)
+    step_overhead_s: float = 0.003  # per engine step: scheduler, launches, sampling
+    kv_mem_util: float = 0.90  # vLLM's gpu_memory_utilization
+    link_util: float = 0.80  # fraction of a link's bandwidth a KV transfer gets
+    transfer_latency_s: float = 0.005  # per KV transfer: handshake, metadata, first RDMA read
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """Per-backend totals (one row per backend, device figure times GPU count), in SI units."""
+
+    gemm_flops: np.ndarray  # FLOP/s at the model's compute dtype
+    attn_flops: np.ndarray  # FLOP/s at BF16 (attention kernels run in BF16)
+    mem_bw: np.ndarray  # B/s
+    mem_bytes: np.ndarray  # B
+    scale_up_bw: np.ndarray  # B/s
+    scale_out_bw: np.ndarray  # B/s
+    gpus: np.ndarray
+
+    @classmethod
+    def of(cls, accelerators: Sequence[Accelerator], gpus: Sequence[int], compute_dtype: str) -> Hardware:
+        n = np.asarray(gpus, dtype=float)
+
+        def column(values: Sequence[float], unit: float) -> np.ndarray:
+            return np.asarray(values, dtype=float) * unit * n
+
+        return cls(
+            gemm_flops=column([a.tflops(compute_dtype) for a in accelerators], TB),
+            attn_flops=column([a.tflops("bf16") for a in accelerators], TB),
+            mem_bw=column([a.memory_tbps for a in accelerators], TB),
+            mem_bytes=column([a.memory_gb for a in accelerators], GB),
+            scale_up_bw=column([a.scale_up_gbps for a in accelerators], GB),
+            scale_out_bw=column([a.scale_out_gbps for a in accelerators], GB),
+            gpus=n,
+        )
+
+    def row(self, i: int) -> Hardware:
+        """One backend, as a 1-row `Hardware` (the scheduler times its steps with it)."""
+        return Hardware(*(getattr(self, f)[i : i + 1] for f in _HARDWARE_FIELDS))
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+_HARDWARE_FIELDS = ("gemm_flops", "attn_flops", "mem_bw", "mem_bytes", "scale_up_bw", "scale_out_bw", "gpus")
+
+
+def kv_replication(model: ModelSpec, hw: Hardware) -> np.ndarray:
+    """How many copies of each token's KV the backend holds: MLA's latent is on every TP rank."""
+    return hw.gpus if model.attention == "mla" else np.ones_like(hw.gpus)
+
+
+def expected_experts(routed: int, top_k: int, tokens: ArrayLike) -> ArrayLike:
+    """Expected distinct experts (of `routed`) that `tokens` tokens touch, each picking `top_k` at random."""
+    return routed * (1.0 - (1.0 - top_k / routed) ** np.asarray(tokens, dtype=float))
+
+
+def weight_bytes_read(model: ModelSpec, tokens: ArrayLike) -> ArrayLike:
+    """Weight bytes one forward pass over `tokens` tokens reads: always-on weights plus touched experts."""
+    always = (model.total_params - model.routed_params) * model.weight_bytes_per_param
+    if model.moe is None:
+        return always + 0.0 * np.asarray(tokens, dtype=float)
+    touched = expected_experts(model.moe.routed_experts, model.moe.experts_per_token, tokens)
+    return always + model.moe_layers * touched * model.expert_params * model.weight_bytes_per_param
+
+
+def causal_pairs(new_tokens: ArrayLike, cached_tokens: ArrayLike) -> ArrayLike:
+    """(query, key) pairs of causal attention for `new_tokens` after `cached_tokens`."""
+    n = np.asarray(new_tokens, dtype=float)
+    return n * np.asarray(cached_tokens, dtype=float) + n * (n + 1.0) / 2.0
+
+
+def step_time(
+    model: ModelSpec,
+    hw: Hardware,
+    prefill_tokens: ArrayLike,
+    prefill_pairs: ArrayLike,
+    decode_batch: ArrayLike,
+    decode_context: ArrayLike,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+) -> ArrayLike:
+    """Seconds for one engine step mixing prefill chunks and decodes.
+
+    `prefill_pairs` is the causal (query, key) pair count of the prefill chunks (`causal_pairs`);
+    `decode_context` the total tokens of context the decoding sequences attend over.
+    """
+    tokens = np.asarray(prefill_tokens, dtype=float) + np.asarray(decode_batch, dtype=float)
+    gemm = np.maximum(
+        2.0 * model.active_params * tokens / (hw.gemm_flops * eff.mfu),
+        weight_bytes_read(model, tokens) / (hw.mem_bw * eff.bw_util),
+    )
+    kv_bytes = np.asarray(decode_context, dtype=float) * model.kv_bytes_per_token * kv_replication(model, hw)
+    attn_pairs = np.asarray(prefill_pairs, dtype=float) + np.asarray(decode_context, dtype=float)
+    attention = np.maximum(
+        model.attn_flops_per_pair * attn_pairs / (hw.attn_flops * eff.mfu),
+        kv_bytes / (hw.mem_bw * eff.bw_util),
+    )
+    busy = tokens > 0
+    return np.where(busy, gemm + attention + eff.step_overhead_s, 0.0)
+
+
+def prefill_time(
+    model: ModelSpec,
+    hw: Hardware,
+    new_tokens: ArrayLike,
+    cached_tokens: ArrayLike = 0,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+) -> ArrayLike:
+    """Seconds to prefill `new_tokens` after `cached_tokens` already in cache, alone, in one pass."""
+    return step_time(model, hw, new_tokens, causal_pairs(new_tokens, cached_tokens), 0, 0, eff)
+
+
+def decode_step_time(
+    model: ModelSpec,
+    hw: Hardware,
+    batch: ArrayLike,
+    context_tokens: ArrayLike,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+) -> ArrayLike:
+    """Seconds for one decode step of `batch` sequences attending over `context_tokens` in total."""
+    return step_time(model, hw, 0, 0, batch, context_tokens, eff)
+
+
+def kv_transfer_time(
+    model: ModelSpec,
+    src: Hardware,
+    dst: Hardware,
+    tokens: ArrayLike,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+    same_server: bool = False,
+) -> ArrayLike:
+    """Seconds to move `tokens` tokens of KV from `src` to `dst`, bounded by the slower side's links."""
+    field = "scale_up_bw" if same_server else "scale_out_bw"
+    per_copy = np.minimum(
+        getattr(src, field) / kv_replication(model, src), getattr(dst, field) / kv_replication(model, dst)
+    )
+    volume = np.asarray(tokens, dtype=float) * model.kv_bytes_per_token
+    return volume / (per_copy * eff.link_util) + eff.transfer_latency_s
+
+
+def kv_capacity_tokens(model: ModelSpec, hw: Hardware, eff: Efficiency = DEFAULT_EFFICIENCY) -> np.ndarray:
+    """Tokens of KV that fit after the weights, at vLLM's memory utilisation (0 when weights do not fit)."""
+    free = hw.mem_bytes * eff.kv_mem_util - model.weight_bytes
+    per_token = model.kv_bytes_per_token * kv_replication(model, hw)
+    return np.floor(np.maximum(free, 0.0) / per_token)
+
+
+class ScalarStepTime:
+    """`step_time` for one backend with its constants folded, in plain floats (the simulator calls it
+    once per engine step, where numpy's per-call overhead would dominate). Same formula, tested equal."""
+
+    def __init__(self, model: ModelSpec, hw: Hardware, eff: Efficiency = DEFAULT_EFFICIENCY) -> None:
+        bw = float(hw.mem_bw[0]) * eff.bw_util
+        self.linear_s = 2.0 * model.active_params / (float(hw.gemm_flops[0]) * eff.mfu)
+        self.always_s = (model.total_params - model.routed_params) * model.weight_bytes_per_param / bw
+        self.experts = model.moe.routed_experts if model.moe else 0
+        self.miss = 1.0 - model.moe.experts_per_token / model.moe.routed_experts if model.moe else 1.0
+        self.expert_s = model.moe_layers * model.expert_params * model.weight_bytes_per_param / bw
+        self.pair_s = model.attn_flops_per_pair / (float(hw.attn_flops[0]) * eff.mfu)
+        self.kv_s = model.kv_bytes_per_token * float(kv_replication(model, hw)[0]) / bw
+        self.overhead_s = eff.step_overhead_s
+
+    def __call__(
+        self, prefill_tokens: int, prefill_pairs: float, decode_batch: int, decode_context: int
+    ) -> float:
+        tokens = prefill_tokens + decode_batch
+        if tokens <= 0:
+            return 0.0
+        weights = self.always_s + self.expert_s * self.experts * (1.0 - self.miss**tokens)
+        gemm = max(self.linear_s * tokens, weights)
+        attention = max(self.pair_s * (prefill_pairs + decode_context), self.kv_s * decode_context)
+        return gemm + attention + self.overhead_s
