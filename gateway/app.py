@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
-from gateway.handler import CompletionHandler, send_error
+from gateway.handler import CompletionHandler
 from gateway.metrics import GatewayMetrics
 from gateway.poller import Poller
 from gateway.prefix import PrefixServices, build_prefix_services
@@ -94,6 +94,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         api_keys=config.auth.keys(),
         max_body_bytes=config.limits.max_body_bytes,
         route_header=config.routing.route_header,
+        needs_prompt_tokens=config.routing.disaggregation == "auto",
     )
     app.state.gateway = GatewayState(config, metrics, registry, handler, _models_body(config))
     async with httpx.AsyncClient() as control_client:
@@ -154,4 +155,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return app
 
 
-__all__ = ["GatewayState", "create_app", "send_error"]
+class HotPathApp:
+    """The ASGI app `hetgate serve` runs: the two traffic endpoints skip FastAPI's middleware stack
+    (about 10 % of the gateway's CPU per request, profiled), everything else is plain FastAPI."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self._hot = {Kind.CHAT.path: Kind.CHAT, Kind.COMPLETIONS.path: Kind.COMPLETIONS}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            kind = self._hot.get(scope["path"])
+            if kind is not None:
+                await self.app.state.gateway.handler(kind, scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_asgi_app(config: GatewayConfig) -> HotPathApp:
+    return HotPathApp(create_app(config))

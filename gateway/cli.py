@@ -36,9 +36,9 @@ def read_config(path: str) -> GatewayConfig:
 
 
 def app_from_env():
-    from gateway.app import create_app
+    from gateway.app import create_asgi_app
 
-    return create_app(read_config(os.environ[CONFIG_ENV]))
+    return create_asgi_app(read_config(os.environ[CONFIG_ENV]))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -57,6 +57,8 @@ def _serve(args: argparse.Namespace) -> int:
         loop="uvloop",
         http="httptools",
         access_log=False,
+        proxy_headers=False,  # X-Forwarded-* from clients is not trusted; nothing here reads it
+        server_header=False,
         log_level=args.log_level,
         timeout_graceful_shutdown=10,
     )

@@ -50,6 +50,7 @@ class CompletionHandler:
         api_keys: tuple[str, ...],
         max_body_bytes: int,
         route_header: bool,
+        needs_prompt_tokens: bool = True,
     ) -> None:
         self.registry = registry
         self.routers = routers
@@ -59,6 +60,7 @@ class CompletionHandler:
         self.key_digests = tuple(hashlib.sha256(k.encode()).digest() for k in api_keys)
         self.max_body_bytes = max_body_bytes
         self.route_header = route_header
+        self.needs_prompt_tokens = needs_prompt_tokens
 
     async def __call__(self, kind: Kind, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -147,7 +149,8 @@ class CompletionHandler:
         self, request: ParsedRequest, pool: ModelPool, headers: dict[bytes, bytes]
     ) -> tuple[RequestFeatures, Any]:
         if self.affinity is None:
-            tokens = estimate_prompt_tokens(request)
+            # Only the `auto` split reads the prompt length: a plain balancer skips the estimate.
+            tokens = estimate_prompt_tokens(request) if self.needs_prompt_tokens else 0
             return RequestFeatures(request.model, tokens, request.max_tokens, request.stream), None
         return await self.affinity.lookup(request, pool, headers)
 
