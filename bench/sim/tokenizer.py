@@ -4,8 +4,9 @@ About one token per word, so a workload generator builds an N-token prompt from 
 are stable across processes (no Python `hash`): the id of a word is found in a fixed generated
 vocabulary when the word is one of its entries, else it is a BLAKE2 hash of the word folded into
 the upper half of the id space. Decoding maps every id back to its vocabulary entry, so generated
-tokens (always drawn from the vocabulary) round-trip exactly and arbitrary prompt words come back
-as a stand-in word of the same id.
+tokens (always drawn from the vocabulary) round-trip exactly. Hashed words are remembered (per id,
+the newest spelling wins) so detokenizing recently tokenized text gives it back; an id never seen
+decodes to the stand-in vocabulary word of that id.
 
 The chat template mirrors ChatML as vLLM applies it from a model's `chat_template`:
 `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then `<|im_start|>assistant\\n` when
@@ -58,13 +59,17 @@ class SimTokenizer:
         # Generated tokens come from the plain-word part of the vocabulary (no specials, no punctuation).
         self.first_word_id = len(SPECIAL_TOKENS) + len(PUNCTUATION)
         self.num_word_ids = _HASHED_BASE - self.first_word_id
+        # Last word seen per hashed id; bounded by the hashed id range (32768 entries).
+        self._seen: dict[int, str] = {}
 
     def token_id(self, word: str) -> int:
         known = self._ids.get(word)
         if known is not None:
             return known
         digest = hashlib.blake2b(word.encode(), digest_size=8).digest()
-        return _HASHED_BASE + int.from_bytes(digest, "big") % (VOCAB_SIZE - _HASHED_BASE)
+        token_id = _HASHED_BASE + int.from_bytes(digest, "big") % (VOCAB_SIZE - _HASHED_BASE)
+        self._seen[token_id] = word
+        return token_id
 
     def encode(self, text: str) -> list[int]:
         return [self.token_id(word) for word in _TOKEN_RE.findall(text)]
@@ -74,7 +79,7 @@ class SimTokenizer:
 
     def id_to_str(self, token_id: int) -> str:
         if 0 <= token_id < len(self._vocab):
-            return self._vocab[token_id]
+            return self._seen.get(token_id) or self._vocab[token_id]
         raise ValueError(f"token id {token_id} is out of vocabulary range [0, {VOCAB_SIZE})")
 
     def decode(self, token_ids: Sequence[int]) -> str:
