@@ -61,7 +61,10 @@ class GatewayMetrics:
             "hetgate:route_decisions", "Router decisions", ["model", "mode", "reason"], registry=r
         )
         self.index_errors = Counter(
-            "hetgate:index_errors", "Prefix index calls that failed or timed out", ["op"], registry=r
+            "hetgate:index_errors",
+            "Prefix index calls that failed or timed out",
+            ["op", "reason"],
+            registry=r,
         )
         self.client_disconnects = Counter(
             "hetgate:client_disconnects", "Requests cancelled by the client", ["model"], registry=r

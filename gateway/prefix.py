@@ -12,7 +12,9 @@ from typing import Any
 from gateway.affinity import Affinity
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
-from gateway.registry import Registry
+from gateway.registry import ModelPool, Registry
+from kvindex import PromptHasher, build_index, failure_counter
+from kvindex.tokenizer import ChatTokenizer
 
 
 @dataclass(slots=True)
@@ -42,8 +44,20 @@ async def build_prefix_services(
 ) -> PrefixServices | None:
     if not needs_prefix(config):
         return None
-    from kvindex.wiring import build_prefix_parts
+    settings = config.index
+    index = build_index(
+        settings.store,
+        redis_url=settings.redis_url,
+        key_prefix=settings.key_prefix,
+        ttl_s=settings.ttl_s,
+        deadline_ms=settings.deadline_ms,
+        on_failure=failure_counter(metrics.index_errors),
+    )
+    hashers = {name: _hasher(pool) for name, pool in registry.pools.items()}
+    affinity = Affinity(index, hashers, settings.tenant_salt_header)
+    return PrefixServices(affinity, index)
 
-    index, hashers, subscribers = await build_prefix_parts(config, registry, metrics.index_errors)
-    affinity = Affinity(index, hashers, config.index.tenant_salt_header)
-    return PrefixServices(affinity, index, subscribers)
+
+def _hasher(pool: ModelPool) -> PromptHasher:
+    tokenizer = ChatTokenizer.load(pool.model.tokenizer) if pool.model.tokenizer else None
+    return PromptHasher(pool.model.name, pool.block_sizes, tokenizer)

@@ -1,0 +1,78 @@
+"""Prefill/decode through the gateway on simulated vLLM backends speaking vLLM's P/D protocol."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import orjson
+
+from tests.integration.conftest import MODEL, backend, chat_body, config, metric
+
+
+def pd_gateway(sim, gateway, connector="nixl", **routing):
+    prefill, decode = sim(role="prefill"), sim(role="decode")
+    cfg = config(
+        [
+            backend(prefill, "p", ("prefill",), kv_connector=connector),
+            backend(decode, "d", ("decode",), kv_connector=connector),
+        ],
+        routing={"disaggregation": "always", **routing},
+    )
+    return gateway(cfg), prefill, decode
+
+
+def test_split_request_runs_both_legs_and_reports_prefill_cached_tokens(sim, gateway):
+    gw, prefill, decode = pd_gateway(sim, gateway)
+    long_prompt = "shared system prompt words " * 60
+    for _ in range(2):  # the second request finds the prompt cached on the prefiller
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(long_prompt), timeout=10)
+    assert r.status_code == 200
+    assert r.headers["x-hetgate-route"] == "mode=pd; prefill=p; decode=d"
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # The decode server loaded the prompt from the prefiller instead of computing it.
+    assert metric(decode.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+    assert metric(prefill.url, "vllm:generation_tokens_total") == 2  # max_tokens=1 per prefill leg
+
+
+def test_split_stream_with_usage_through_openai_client(sim, gateway):
+    gw, _, decode = pd_gateway(sim, gateway)
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "tell me a story " * 20}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    client.close()
+    assert chunks[-1].usage.completion_tokens == 5
+    assert metric(decode.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+
+
+def test_shared_storage_connector_sends_no_kv_params(sim, gateway):
+    gw, _, decode = pd_gateway(sim, gateway, connector="shared-storage")
+    r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "abc " * 40, "max_tokens": 3})
+    assert r.status_code == 200
+    assert r.headers["x-hetgate-route"] == "mode=pd; prefill=p; decode=d"
+    # Without kv_transfer_params the prefill server sees a plain request: nothing is held for transfer.
+    assert metric(decode.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+
+
+def test_auto_splits_long_prompts_only(sim, gateway):
+    gw, _, _ = pd_gateway(sim, gateway, disaggregation="auto", pd_min_prompt_tokens=200)
+    short = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("hi"), timeout=10)
+    long = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("word " * 2000), timeout=10)
+    assert short.headers["x-hetgate-route"] == "mode=aggregated; backend=d"
+    assert long.headers["x-hetgate-route"] == "mode=pd; prefill=p; decode=d"
+
+
+def test_route_header_can_be_turned_off(sim, gateway):
+    gw, _, _ = pd_gateway(sim, gateway, route_header=False)
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(), timeout=10)
+    assert r.status_code == 200
+    assert "x-hetgate-route" not in r.headers
+    assert orjson.loads(r.content)["object"] == "chat.completion"
