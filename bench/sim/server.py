@@ -290,7 +290,7 @@ class SimServer:
         build = protocol.completion_body if parsed.kind is Kind.COMPLETION else protocol.chat_body
         body = build(
             _response_id(sim_request, parsed), self._now(), parsed.model, text, final.finish_reason, usage,
-            self._kv_transfer_params(final), self._fingerprint,
+            self._kv_transfer_params(final, len(parsed.prompt_token_ids)), self._fingerprint,
         )  # fmt: skip
         return _json(body, 200)
 
@@ -349,11 +349,21 @@ class SimServer:
     def _cached(self, output: TokenOutput) -> int | None:
         return output.num_cached_tokens if self.config.enable_prompt_tokens_details else None
 
-    def _kv_transfer_params(self, final: TokenOutput) -> dict[str, Any] | None:
+    def _kv_transfer_params(self, final: TokenOutput, prompt_len: int) -> dict[str, Any] | None:
+        """The engine's params, completed to vLLM 0.32's NIXL pull shape where an engine left keys out."""
         if final.kv_transfer_params is None:
             return None
+        defaults = {
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": prompt_len,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": final.num_cached_tokens,
+        }
         # The simulator's "side channel" is its HTTP port: the decoder reports the pull to /sim/kv_pull.
-        return {**final.kv_transfer_params, "remote_host": self.config.host, "remote_port": self.port}
+        address = {"remote_host": self.config.host, "remote_port": self.port}
+        return {**defaults, **final.kv_transfer_params, **address}
 
     def _notify_prefiller(self, params: dict[str, Any]) -> None:
         """Stand-in for the NIXL pull: tell the prefiller its KV was read so it unpins the blocks."""
