@@ -408,17 +408,18 @@ class SchedulerCore:
     def _admit(self, now: float, budget: int, batch: list[tuple[_Req, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hit = self._prefix_hit(req)
+            cached = self._prefix_hit(req)
+            hit = len(cached)
             start = max(
                 hit * self.config.block_size, req.spec.remote_kv_tokens if not req.admitted_once else 0
             )
             remote = req.spec.remote_kv_tokens > 0 and not req.admitted_once
             target = req.spec.prompt_len if remote else min(req.known, start + budget)
             need = self._blocks_for(target) - hit
-            if need > self.pool.num_free:
+            # Cached blocks nobody uses sit in the free queue: taking them shrinks it too.
+            if need + sum(1 for block in cached if self.pool.ref[block] == 0) > self.pool.num_free:
                 break
             self.waiting.popleft()
-            cached = self.pool.lookup(req.spec.block_hashes, hit)
             self.pool.touch(cached)
             req.blocks = cached + self.pool.allocate(need)
             req.hashed_blocks = hit
@@ -436,10 +437,10 @@ class SchedulerCore:
             budget -= n
         return budget
 
-    def _prefix_hit(self, req: _Req) -> int:
+    def _prefix_hit(self, req: _Req) -> list[int]:
         # Never the whole prompt: vLLM always computes at least the last prompt token.
         limit = (req.known - 1) // self.config.block_size
-        return len(self.pool.lookup(req.spec.block_hashes, limit))
+        return self.pool.lookup(req.spec.block_hashes, limit)
 
     def _count_admission(self, req: _Req, hit: int, remote: bool) -> None:
         if req.admitted_once:
