@@ -1,0 +1,85 @@
+"""Small helpers shared by the end-to-end tests: prompts, vLLM metrics, hetgate's route header."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from vllm_server import VllmServer
+
+ROUTE_HEADER = "x-hetgate-route"
+BLOCK_SIZE = 128  # vLLM's CPU default; prefixes shorter than this never hit the cache
+
+
+def code_prompt(lines: int, tag: str | None = None) -> str:
+    """Python-like text (what the tiny tokenizer was trained on), unique per call unless tagged.
+
+    About 34 tokens a line on the tiny model's tokenizer: 9 lines fill two 128-token blocks.
+    """
+    tag = tag or uuid.uuid4().hex[:12]
+    return "".join(
+        f"def handler_{tag}_{i}(request, value={i}):\n    return request.process(value + {i})\n"
+        for i in range(lines)
+    )
+
+
+def metric_total(base_url: str, name: str, **labels: str) -> float:
+    """Sum of one vLLM metric's samples whose labels include ``labels`` (counters: pass ``*_total``)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def prompt_token_count(base_url: str, prompt: str) -> int:
+    response = httpx.post(f"{base_url}/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=30)
+    response.raise_for_status()
+    return response.json()["count"]
+
+
+def route_fields(header: str) -> dict[str, str]:
+    """``mode=aggregated; backend=agg-a`` -> {"mode": "aggregated", "backend": "agg-a"}."""
+    fields = {}
+    for part in header.split(";"):
+        key, _, value = part.strip().partition("=")
+        fields[key] = value
+    return fields
+
+
+def reset_prefix_cache(base_url: str) -> None:
+    """Empty vLLM's prefix cache (needs VLLM_SERVER_DEV_MODE=1, which the launcher sets)."""
+    response = httpx.post(f"{base_url}/reset_prefix_cache", timeout=30)
+    response.raise_for_status()
+
+
+def backend_entry(server: VllmServer, **overrides: Any) -> dict[str, Any]:
+    """One `backends:` item of hetgate's configuration for a running vLLM server."""
+    entry: dict[str, Any] = {
+        "id": server.spec.name,
+        "url": server.base_url,
+        "model": "tiny",
+        "accelerator": "cpu",
+        "block_size": BLOCK_SIZE,
+        "max_num_seqs": 16,
+    }
+    entry.update(overrides)
+    return entry
+
+
+def gateway_config(
+    backends: list[dict[str, Any]], tokenizer: Path | None = None, **routing: Any
+) -> dict[str, Any]:
+    return {
+        "models": [{"name": "tiny", "tokenizer": str(tokenizer) if tokenizer else None}],
+        "backends": backends,
+        "routing": {"policy": "round_robin", "disaggregation": "never", **routing},
+        # Fast detection so the failover test does not wait long; probes are cheap on loopback.
+        "health": {"interval_s": 0.5, "timeout_s": 2.0, "failure_threshold": 1, "recovery_s": 30.0},
+        "timeouts": {"connect_s": 2.0, "ttfb_s": 120.0, "idle_s": 60.0},
+    }
