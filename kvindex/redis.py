@@ -1,17 +1,27 @@
 """The shared prefix index in Redis: every gateway replica sees the same cached prefixes.
 
-Layout (all keys under one `{prefix}` hash tag, so a Redis Cluster keeps them in one slot and the Lua
-scripts may touch any of them; no prompt text is ever stored, only 64-bit block hashes):
-- `{prefix}:<model>:<block_size>:<hash as 16 hex>`: a hash, field = backend id, value = expiry in
-  epoch milliseconds. The key's own TTL is refreshed on every write.
+Layout (all keys under one `{prefix}` hash tag, so a Redis Cluster keeps them in one slot; no prompt
+text is ever stored, only 64-bit block hashes). The scripts derive block keys from one packed argument
+instead of declaring them in KEYS (redis-py spent 10+ ms encoding 2,000 key arguments): fine on a
+single node and, thanks to the hash tag, within one cluster slot.
+- `{prefix}:slots`: a hash, backend id -> its bit position ("slot"); `{prefix}:slots:next` (counter)
+  and `{prefix}:slots:free` (slots of cleared backends, safe to reuse) go with it.
+- `{prefix}:<model>:<block_size>:<hash as 8 raw big-endian bytes>`: a bitmap (SETBIT), bit `slot` set
+  when that backend holds the block. TTL refreshed on every write.
 - `{prefix}:backend:<backend id>`: a sorted set of the block keys that backend holds, scored by the time
-  they were recorded (head of a prompt scored newest, so the tail is evicted first); it enforces the
-  backend's capacity in blocks and lets `clear_backend` find its entries. It has a TTL too.
+  they were recorded (head of a prompt scored newest, so the tail is evicted first). It carries the
+  per-backend TTL and capacity (entries older than the TTL or beyond the capacity get their bit
+  cleared) and lets `clear_backend` find its bits. It lives twice the TTL, so expired entries can still
+  be found and cleared; if it is gone anyway while the slot is still mapped (its entries were never
+  cleaned), the slot is retired and never reused, so stale bits can never be attributed to anyone.
 
-`match` is ONE `EVALSHA` round trip: the script walks the prompt's blocks in order, asking each block's
-hash only for the backends still matching (HMGET), and stops when none is left. Values read back are
-validated in the script (an expiry must be a number within now + TTL; anything else counts as absent)
-and the reply is validated again here.
+`match` is ONE `EVALSHA` round trip. The script maps backend ids to slots, clears the requested
+backends' expired entries, then walks the prompt's blocks in order, AND-ing each block's bitmap with the
+bits still alive (a few byte operations per block, whatever the number of backends), and stops when no
+bit is left. A hash per block with one field per backend was the first design: its walk costs one field
+per backend per block and took seconds for a 32k-token prompt over 512 backends; see bench/index_bench.py.
+Values read back are validated (slots must be integers in range; a block value that is not a string of
+at most MAX_SLOTS/8 bytes counts as absent) and the reply is validated again here.
 """
 
 from __future__ import annotations
@@ -19,82 +29,173 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvindex.memory import DEFAULT_CAPACITY_BLOCKS
 
-_MATCH = """
-local now = tonumber(ARGV[1])
-local horizon = now + tonumber(ARGV[2])
-local ids, counts, alive = {}, {}, {}
-for i = 3, #ARGV do
-  ids[#ids + 1] = ARGV[i]
-  counts[#counts + 1] = 0
-  alive[#alive + 1] = #ids
+MAX_SLOTS = 65536  # backends ever mapped per key prefix; block bitmaps stay <= 8 KiB
+_MGET_BATCH = 256  # block keys read per MGET inside the match script (Lua's unpack has a stack limit)
+
+_SLOT_OK = f"""
+local function valid_slot(value)
+  local slot = tonumber(value)
+  if slot and slot >= 0 and slot < {MAX_SLOTS} and slot == math.floor(slot) then return slot end
+  return nil
 end
-for depth = 1, #KEYS do
-  local fields = {}
-  for j = 1, #alive do fields[j] = ids[alive[j]] end
-  local values = redis.pcall('HMGET', KEYS[depth], unpack(fields))
-  if type(values) ~= 'table' or values.err then break end
-  local still = {}
-  for j = 1, #alive do
-    local expiry = tonumber(values[j])
-    if expiry and expiry > now and expiry <= horizon then
-      counts[alive[j]] = depth
-      still[#still + 1] = alive[j]
-    end
-  end
-  alive = still
-  if #alive == 0 then break end
+local function forget(keys, slot)
+  for _, key in ipairs(keys) do redis.pcall('SETBIT', key, slot, 0) end
 end
-return counts
 """
 
-_RECORD = """
+_MATCH = (
+    _SLOT_OK
+    + f"""
+local now, ttl, zprefix, space, blob = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+local first_id = 6
+local n_ids = #ARGV - first_id + 1
+local counts, alive, owners, bytes = {{}}, {{}}, {{}}, {{}}
+local mapped = redis.call('HMGET', KEYS[1], unpack(ARGV, first_id))
+for i = 1, n_ids do
+  counts[i] = 0
+  local slot = valid_slot(mapped[i])
+  local id = ARGV[first_id + i - 1]
+  local zset = zprefix .. id
+  if slot then
+    local old = redis.call('ZRANGEBYSCORE', zset, '-inf', now - ttl, 'LIMIT', 0, 1000)
+    if #old > 0 then
+      forget(old, slot)
+      redis.call('ZREM', zset, unpack(old))
+    end
+    if redis.call('EXISTS', zset) == 0 then
+      redis.call('HDEL', KEYS[1], id)  -- retire: its bits may linger, never reuse the slot
+      slot = nil
+    end
+  end
+  if slot then
+    local b = math.floor(slot / 8) + 1
+    if not alive[b] then
+      alive[b] = 0
+      bytes[#bytes + 1] = b
+    end
+    alive[b] = bit.bor(alive[b], 2 ^ (7 - slot % 8))
+    owners[slot] = owners[slot] or {{}}
+    table.insert(owners[slot], i)
+  end
+end
+local function settle(b, dropped, depth)
+  for j = 0, 7 do
+    if bit.band(dropped, 2 ^ (7 - j)) ~= 0 then
+      for _, i in ipairs(owners[(b - 1) * 8 + j]) do counts[i] = depth end
+    end
+  end
+end
+local n_blocks = #blob / 8
+if #bytes == 0 then return counts end
+local depth = 0
+for batch = 0, n_blocks - 1, {_MGET_BATCH} do
+  local names = {{}}
+  for k = batch, math.min(batch + {_MGET_BATCH}, n_blocks) - 1 do
+    names[#names + 1] = space .. string.sub(blob, 8 * k + 1, 8 * k + 8)
+  end
+  local values = redis.call('MGET', unpack(names))  -- a key of another type reads as nil
+  for _, value in ipairs(values) do
+    if type(value) ~= 'string' or #value > {MAX_SLOTS // 8} then value = '' end
+    local any = false
+    for _, b in ipairs(bytes) do
+      local mask = alive[b]
+      if mask ~= 0 then
+        local held = bit.band(mask, string.byte(value, b) or 0)
+        if held ~= mask then settle(b, bit.bxor(mask, held), depth) end
+        alive[b] = held
+        if held ~= 0 then any = true end
+      end
+    end
+    if not any then return counts end
+    depth = depth + 1
+  end
+end
+for _, b in ipairs(bytes) do settle(b, alive[b], depth) end
+return counts
+"""
+)
+
+_RECORD = (
+    _SLOT_OK
+    + f"""
 local backend, now, ttl, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local zset, n = KEYS[1], #KEYS
-for i = 2, n do
-  local key = KEYS[i]
-  local written = redis.pcall('HSET', key, backend, now + ttl)
+local space, blob = ARGV[5], ARGV[6]
+local slots, next_slot, free, zset = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local slot = valid_slot(redis.call('HGET', slots, backend))
+if slot and redis.call('EXISTS', zset) == 0 then slot = nil end  -- retired (see match)
+if not slot then
+  slot = valid_slot(redis.call('LPOP', free)) or (redis.call('INCR', next_slot) - 1)
+  if slot >= {MAX_SLOTS} then return redis.error_reply('no free backend slot') end
+  redis.call('HSET', slots, backend, slot)
+end
+local n = #blob / 8
+for i = 1, n do
+  local key = space .. string.sub(blob, 8 * i - 7, 8 * i)
+  local written = redis.pcall('SETBIT', key, slot, 1)
   if type(written) == 'table' and written.err then
-    redis.call('DEL', key)  -- not a hash (foreign or corrupt value): replace it
-    redis.call('HSET', key, backend, now + ttl)
+    redis.call('DEL', key)  -- not a bitmap (foreign or corrupt value): replace it
+    redis.call('SETBIT', key, slot, 1)
   end
   redis.call('PEXPIRE', key, ttl)
   redis.call('ZADD', zset, now + (n - i) / n, key)
 end
-redis.call('PEXPIRE', zset, ttl)
-local function forget(keys)
-  for _, key in ipairs(keys) do redis.pcall('HDEL', key, backend) end
-end
-forget(redis.call('ZRANGEBYSCORE', zset, '-inf', now - ttl))
+for _, key in ipairs({{slots, next_slot, free, zset}}) do redis.call('PEXPIRE', key, 2 * ttl) end
+forget(redis.call('ZRANGEBYSCORE', zset, '-inf', now - ttl), slot)
 redis.call('ZREMRANGEBYSCORE', zset, '-inf', now - ttl)
 local size = redis.call('ZCARD', zset)
 if size > cap then
-  forget(redis.call('ZRANGE', zset, 0, size - cap - 1))
+  forget(redis.call('ZRANGE', zset, 0, size - cap - 1), slot)
   redis.call('ZREMRANGEBYRANK', zset, 0, size - cap - 1)
 end
 return size
 """
+)
 
-_REMOVE = """
-for i = 2, #KEYS do
-  redis.pcall('HDEL', KEYS[i], ARGV[1])
-  redis.call('ZREM', KEYS[1], KEYS[i])
+_REMOVE = (
+    _SLOT_OK
+    + """
+local slot = valid_slot(redis.call('HGET', KEYS[1], ARGV[1]))
+if not slot then return 0 end
+local space, blob = ARGV[2], ARGV[3]
+for i = 1, #blob / 8 do
+  local key = space .. string.sub(blob, 8 * i - 7, 8 * i)
+  redis.pcall('SETBIT', key, slot, 0)
+  redis.call('ZREM', KEYS[2], key)
 end
-return #KEYS - 1
+return #blob / 8
 """
+)
 
-# Clears at most ARGV[2] entries per call so one call never blocks Redis for long.
-_CLEAR = """
-local keys = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)
-for _, key in ipairs(keys) do redis.pcall('HDEL', key, ARGV[1]) end
-if #keys > 0 then redis.call('ZREM', KEYS[1], unpack(keys)) end
-return #keys
+# Clears at most ARGV[2] entries per call so one call never blocks Redis for long; the slot is freed
+# for reuse only once all its bits are cleared.
+_CLEAR = (
+    _SLOT_OK
+    + """
+local slots, free, zset, backend = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
+local slot = valid_slot(redis.call('HGET', slots, backend))
+if not slot then
+  redis.call('DEL', zset)
+  return 0
+end
+local keys = redis.call('ZRANGE', zset, 0, tonumber(ARGV[2]) - 1)
+if #keys > 0 then
+  forget(keys, slot)
+  redis.call('ZREM', zset, unpack(keys))
+  return #keys
+end
+redis.call('HDEL', slots, backend)
+redis.call('RPUSH', free, slot)
+redis.call('PEXPIRE', free, 2 * tonumber(ARGV[3]))
+return 0
 """
+)
 
 _CLEAR_BATCH = 5000
 
@@ -116,6 +217,7 @@ class RedisIndex:
     ) -> None:
         self._client = client
         self._prefix = "{" + key_prefix + "}"
+        self._slots = self._prefix + ":slots"
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._capacities = dict(capacity_blocks or {})
         self._default_capacity = default_capacity_blocks
@@ -145,36 +247,45 @@ class RedisIndex:
     ) -> list[int]:
         if not hashes or not backend_ids:
             return [0] * len(backend_ids)
-        keys = self._block_keys(model, block_size, hashes)
-        reply = await self._match(keys=keys, args=[_now_ms(), self._ttl_ms, *backend_ids])
+        space, blob = self._space(model, block_size), _pack(hashes)
+        args = [_now_ms(), self._ttl_ms, self._backend_key(""), space, blob, *backend_ids]
+        reply = await self._match(keys=[self._slots], args=args)
         return _validated_counts(reply, len(backend_ids), len(hashes))
 
     async def record(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
         if not hashes:
             return
         capacity = self._capacities.get(backend_id, self._default_capacity)
-        keys = [self._backend_key(backend_id), *self._block_keys(model, block_size, hashes)]
-        await self._record(keys=keys, args=[backend_id, _now_ms(), self._ttl_ms, capacity])
+        keys = [self._slots, self._slots + ":next", self._slots + ":free", self._backend_key(backend_id)]
+        args = [backend_id, _now_ms(), self._ttl_ms, capacity, self._space(model, block_size), _pack(hashes)]
+        await self._record(keys=keys, args=args)
 
     async def remove(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
         if hashes:
-            keys = [self._backend_key(backend_id), *self._block_keys(model, block_size, hashes)]
-            await self._remove(keys=keys, args=[backend_id])
+            keys = [self._slots, self._backend_key(backend_id)]
+            args = [backend_id, self._space(model, block_size), _pack(hashes)]
+            await self._remove(keys=keys, args=args)
 
     async def clear_backend(self, backend_id: str) -> None:
-        zset = self._backend_key(backend_id)
-        while await self._clear(keys=[zset], args=[backend_id, _CLEAR_BATCH]):
+        keys = [self._slots, self._slots + ":free", self._backend_key(backend_id)]
+        while await self._clear(keys=keys, args=[backend_id, _CLEAR_BATCH, self._ttl_ms]):
             pass
 
     async def close(self) -> None:
         await self._client.aclose()
 
-    def _block_keys(self, model: str, block_size: int, hashes: Sequence[int]) -> list[str]:
-        space = f"{self._prefix}:{model}:{block_size}:"
-        return [f"{space}{h:016x}" for h in hashes]
+    def _space(self, model: str, block_size: int) -> str:
+        """Block keys are this prefix followed by the block hash as 8 raw big-endian bytes."""
+        return f"{self._prefix}:{model}:{block_size}:"
 
     def _backend_key(self, backend_id: str) -> str:
         return f"{self._prefix}:backend:{backend_id}"
+
+
+def _pack(hashes: Sequence[int]) -> bytes:
+    """All block hashes as one argument: building thousands of key arguments in redis-py cost more
+    than the whole script (10+ ms for a 32k-token prompt)."""
+    return np.asarray(hashes, dtype=">u8").tobytes()
 
 
 def _now_ms() -> int:

@@ -75,30 +75,42 @@ async def test_layout_every_key_has_a_ttl_and_holds_only_hashes(
     index: RedisIndex, redis_server: RedisServer, prefix: str
 ) -> None:
     await index.record(MODEL, BS, PROMPT, "a")
-    block_keys = {f"{{{prefix}}}:{MODEL}:{BS}:{h:016x}".encode() for h in PROMPT}
-    backend_key = f"{{{prefix}}}:backend:a".encode()
-    assert set(_keys(redis_server, prefix)) == block_keys | {backend_key}
+    await index.record(MODEL, BS, PROMPT[:2], "b")
+    block_keys = {_block_key(prefix, i) for i in range(len(PROMPT))}
+    backend_keys = {f"{{{prefix}}}:backend:{b}".encode() for b in "ab"}
+    slot_keys = {f"{{{prefix}}}:slots".encode(), f"{{{prefix}}}:slots:next".encode()}
+    assert set(_keys(redis_server, prefix)) == block_keys | backend_keys | slot_keys
     with redis_server.sync_client() as client:
-        for key in block_keys | {backend_key}:
-            assert 0 < client.pttl(key) <= 600_000
-        for key in block_keys:
-            fields = client.hgetall(key)
-            assert list(fields) == [b"a"] and fields[b"a"].isdigit()
-        assert set(client.zrange(backend_key, 0, -1)) == block_keys
+        for key in block_keys | backend_keys | slot_keys:
+            assert 0 < client.pttl(key) <= 2 * 600_000
+        assert client.hgetall(f"{{{prefix}}}:slots") == {b"a": b"0", b"b": b"1"}
+        first, last = _block_key(prefix, 0), _block_key(prefix, len(PROMPT) - 1)
+        assert client.get(first) == bytes([0b1100_0000]) and client.get(last) == bytes([0b1000_0000])
+        assert set(client.zrange(f"{{{prefix}}}:backend:a", 0, -1)) == block_keys
 
 
-@pytest.mark.parametrize(
-    "garbage",
-    [b"not-a-number", b"", b"1e999", b"-5", b"99999999999999999999"],
-    ids=["text", "empty", "inf", "negative", "far-future"],
-)
-async def test_garbage_expiry_values_count_as_absent(
+def _block_key(prefix: str, block: int) -> bytes:
+    return f"{{{prefix}}}:{MODEL}:{BS}:".encode() + PROMPT[block].to_bytes(8, "big")
+
+
+async def test_oversized_block_value_counts_as_absent(
+    index: RedisIndex, redis_server: RedisServer, prefix: str
+) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    with redis_server.sync_client() as client:
+        client.set(_block_key(prefix, 3), b"\xff" * 9000)  # longer than any valid bitmap
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [3]
+
+
+@pytest.mark.parametrize("garbage", [b"x", b"-1", b"1.5", b"70000", b""])
+async def test_garbage_slot_counts_as_absent_and_is_remapped(
     index: RedisIndex, redis_server: RedisServer, prefix: str, garbage: bytes
 ) -> None:
     await index.record(MODEL, BS, PROMPT, "a")
-    key = f"{{{prefix}}}:{MODEL}:{BS}:{PROMPT[3]:016x}"
     with redis_server.sync_client() as client:
-        client.hset(key, "a", garbage)
+        client.hset(f"{{{prefix}}}:slots", "a", garbage)
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [0]
+    await index.record(MODEL, BS, PROMPT[:3], "a")
     assert await index.match(MODEL, BS, PROMPT, ["a"]) == [3]
 
 
@@ -106,13 +118,37 @@ async def test_wrong_type_key_stops_the_match_and_is_overwritten(
     index: RedisIndex, redis_server: RedisServer, prefix: str
 ) -> None:
     await index.record(MODEL, BS, PROMPT, "a")
-    key = f"{{{prefix}}}:{MODEL}:{BS}:{PROMPT[2]:016x}"
     with redis_server.sync_client() as client:
-        client.delete(key)
-        client.set(key, "foreign string value")
+        client.delete(_block_key(prefix, 2))
+        client.hset(_block_key(prefix, 2), "a", "foreign hash")
     assert await index.match(MODEL, BS, PROMPT, ["a"]) == [2]
     await index.record(MODEL, BS, PROMPT, "a")
     assert await index.match(MODEL, BS, PROMPT, ["a"]) == [8]
+
+
+async def test_lost_backend_set_retires_the_slot(
+    index: RedisIndex, redis_server: RedisServer, prefix: str
+) -> None:
+    """If a backend's set vanished (evicted by maxmemory), its stale bits are never believed again."""
+    await index.record(MODEL, BS, PROMPT, "a")
+    with redis_server.sync_client() as client:
+        client.delete(f"{{{prefix}}}:backend:a")
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [0]
+    await index.record(MODEL, BS, PROMPT[:1], "b")  # must not inherit a's old slot or bits
+    assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [0, 1]
+    with redis_server.sync_client() as client:
+        assert client.hgetall(f"{{{prefix}}}:slots") == {b"b": b"1"}
+
+
+async def test_cleared_slot_is_reused_clean(
+    index: RedisIndex, redis_server: RedisServer, prefix: str
+) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    await index.clear_backend("a")
+    await index.record(MODEL, BS, PROMPT[:2], "b")
+    with redis_server.sync_client() as client:
+        assert client.hgetall(f"{{{prefix}}}:slots") == {b"b": b"0"}
+    assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [0, 2]
 
 
 @pytest.mark.parametrize(
