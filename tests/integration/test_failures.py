@@ -1,0 +1,285 @@
+"""Every failure rule of the gateway, against simulated backends told to fail, stall or die."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import orjson
+import pytest
+
+from tests.integration.conftest import MODEL, backend, chat_body, config, metric
+
+
+def post(gw, body: dict, path: str = "/v1/chat/completions", **kwargs) -> httpx.Response:
+    return httpx.post(f"{gw.url}{path}", json=body, timeout=kwargs.pop("timeout", 15), **kwargs)
+
+
+def sse_events(text: str) -> list[str]:
+    return [e.removeprefix("data: ") for e in text.split("\n\n") if e.startswith("data: ")]
+
+
+def requests_seen(server) -> float:
+    return metric(server.url, "vllm:request_success_total") + metric(server.url, "vllm:prompt_tokens_total")
+
+
+# -- bad input: refused before any backend is touched ------------------------------------------------------
+
+
+@pytest.fixture
+def one(sim, gateway):
+    server = sim()
+    gw = gateway(config([backend(server, "a")], limits={"max_body_bytes": 4096}))
+    return gw, server
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "param"),
+    [
+        (b'{"model": "sim-model", "messages": [', 400, None),
+        (orjson.dumps({"model": "sim-model", "messages": [], "max_tokens": 3}), 400, "messages"),
+        (orjson.dumps(chat_body(max_tokens=-1)), 400, "max_tokens"),
+        (orjson.dumps(chat_body(model="gpt-9")), 404, "model"),
+        (orjson.dumps(chat_body("x" * 10_000)), 413, None),
+    ],
+)
+def test_bad_input_gets_an_openai_error_before_any_backend(one, raw, status, param):
+    gw, server = one
+    r = httpx.post(f"{gw.url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["code"]) == (param, status)
+    assert requests_seen(server) == 0
+
+
+def test_chunked_body_over_the_limit_is_413(one):
+    gw, server = one
+
+    def chunks():
+        for _ in range(10):
+            yield b"x" * 1000
+
+    r = httpx.post(f"{gw.url}/v1/chat/completions", content=chunks())
+    assert r.status_code == 413
+    assert requests_seen(server) == 0
+
+
+# -- retries: only before the first byte, only connection errors and 429/502/503/504 -----------------------
+
+
+@pytest.mark.parametrize("status", [429, 502, 503, 504])
+def test_retryable_status_goes_to_the_next_backend(sim, gateway, status):
+    bad, good = sim(), sim()
+    bad.set_faults({"error_status": status})
+    gw = gateway(config([backend(bad, "bad"), backend(good, "good")]))
+    for _ in range(2):  # round robin starts on either backend; both requests must succeed
+        r = post(gw, chat_body())
+        assert r.status_code == 200
+        assert r.headers["x-hetgate-route"] == "mode=aggregated; backend=good"
+    assert metric(gw.url, "hetgate:retries_total") >= 1
+
+
+@pytest.mark.parametrize("status", [400, 500])
+def test_other_statuses_are_relayed_not_retried(sim, gateway, status):
+    bad, good = sim(), sim()
+    bad.set_faults({"error_status": status})
+    gw = gateway(config([backend(bad, "bad"), backend(good, "good")], routing={"policy": "least_load"}))
+    statuses = {post(gw, chat_body()).status_code for _ in range(4)}
+    assert status in statuses  # the backend's own answer reached the client
+    assert requests_seen(good) > 0 or statuses == {status}
+    assert metric(gw.url, "hetgate:retries_total") == 0
+
+
+def test_connection_refused_is_retried_elsewhere(sim, gateway):
+    good = sim()
+    dead = {"id": "dead", "url": "http://127.0.0.1:9", "model": MODEL, "accelerator": "h100-sxm"}
+    gw = gateway(config([dead, backend(good, "good")], health={"interval_s": 60}))
+    for _ in range(4):
+        r = post(gw, chat_body())
+        assert r.status_code == 200
+    assert metric(gw.url, "hetgate:upstream_errors_total", backend="dead", kind="connect") >= 1
+
+
+def test_all_backends_failing_gives_the_last_error(sim, gateway):
+    a, b = sim(), sim()
+    a.set_faults({"error_status": 503})
+    b.set_faults({"error_status": 503})
+    gw = gateway(config([backend(a, "a"), backend(b, "b")]))
+    r = post(gw, chat_body())
+    assert r.status_code == 503
+    assert "error" in r.json()
+
+
+def test_stall_before_first_byte_is_a_504_without_retry(sim, gateway):
+    slow, fast = sim(), sim()
+    slow.set_faults({"first_byte_delay_s": 3})
+    gw = gateway(config([backend(slow, "slow"), backend(fast, "fast")], timeouts={"ttfb_s": 0.5}))
+    statuses = [post(gw, chat_body()).status_code for _ in range(2)]
+    assert sorted(statuses) == [200, 504]
+
+
+# -- after the first byte: in-band errors, never a silent truncation ---------------------------------------
+
+
+def test_backend_dying_mid_stream_ends_with_an_sse_error(sim, gateway):
+    server = sim()
+    server.set_faults({"close_after_chunks": 2})
+    gw = gateway(config([backend(server, "a")]))
+    r = post(gw, chat_body(stream=True, max_tokens=20))
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert len(events) >= 3
+    assert "error" in orjson.loads(events[-2])
+    assert events[-1] == "[DONE]"
+
+
+def test_stall_between_chunks_ends_with_an_sse_error(sim, gateway):
+    server = sim()
+    server.set_faults({"chunk_delay_s": 3})
+    gw = gateway(config([backend(server, "a")], timeouts={"idle_s": 0.5}))
+    started = time.monotonic()
+    r = post(gw, chat_body(stream=True, max_tokens=20))
+    assert time.monotonic() - started < 3
+    assert "error" in orjson.loads(sse_events(r.text)[-2])
+
+
+def test_long_generation_has_no_total_time_limit(sim, gateway):
+    server = sim()
+    gw = gateway(config([backend(server, "a")], timeouts={"idle_s": 0.5, "ttfb_s": 0.5}))
+    # 400 tokens at 2 ms each: 0.8 s in total, longer than every deadline, never idle for long.
+    r = post(gw, chat_body(stream=True, max_tokens=400, stream_options={"include_usage": True}))
+    usage = orjson.loads(sse_events(r.text)[-2])["usage"]
+    assert usage["completion_tokens"] == 400
+
+
+# -- client disconnects cancel the upstream request --------------------------------------------------------
+
+
+def test_client_disconnect_aborts_the_backend_request(sim, gateway):
+    server = sim()
+    gw = gateway(config([backend(server, "a")]))
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream(
+            "POST", f"{gw.url}/v1/chat/completions", json=chat_body(stream=True, max_tokens=5000)
+        ) as r,
+    ):
+        next(r.iter_bytes())
+    deadline = time.monotonic() + 5
+    while (
+        not metric(server.url, "vllm:request_success_total", finished_reason="abort")
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert metric(server.url, "vllm:request_success_total", finished_reason="abort") == 1
+    assert metric(server.url, "vllm:request_success_total", finished_reason="length") == 0
+    assert metric(gw.url, "hetgate:client_disconnects_total") == 1
+
+
+def test_client_disconnect_during_prefill_cancels_both_legs(sim, gateway):
+    prefill, decode = sim(role="prefill"), sim(role="decode")
+    prefill.set_faults({"first_byte_delay_s": 2})
+    cfg = config(
+        [
+            backend(prefill, "p", ("prefill",), kv_connector="nixl"),
+            backend(decode, "d", ("decode",), kv_connector="nixl"),
+        ],
+        routing={"disaggregation": "always"},
+    )
+    gw = gateway(cfg)
+    with pytest.raises(httpx.ReadTimeout):
+        post(gw, chat_body(stream=True), timeout=0.5)
+    time.sleep(2.5)
+    assert requests_seen(decode) == 0  # the decode leg never started
+    assert metric(gw.url, "hetgate:client_disconnects_total") == 1
+
+
+# -- P/D as a transaction ----------------------------------------------------------------------------------
+
+
+def pd_config(prefill, decode, **routing):
+    return config(
+        [
+            backend(prefill, "p", ("prefill",), kv_connector="nixl"),
+            backend(decode, "d", ("decode",), kv_connector="nixl"),
+        ],
+        routing={"disaggregation": "always", **routing},
+    )
+
+
+def test_failed_prefill_falls_back_to_aggregated_and_says_so(sim, gateway):
+    prefill, decode = sim(role="prefill"), sim(role="decode")
+    prefill.set_faults({"error_status": 503})
+    gw = gateway(pd_config(prefill, decode))
+    r = post(gw, chat_body())
+    assert r.status_code == 200
+    assert r.headers["x-hetgate-route"] == "mode=aggregated; backend=d; fallback=prefill_failed"
+    assert metric(gw.url, "hetgate:pd_fallbacks_total", to="aggregated") == 1
+    assert metric(decode.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+
+
+def test_failed_prefill_with_fallback_off_fails_cleanly(sim, gateway):
+    prefill, decode = sim(role="prefill"), sim(role="decode")
+    prefill.set_faults({"error_status": 503})
+    gw = gateway(pd_config(prefill, decode, pd_fallback="fail"))
+    r = post(gw, chat_body())
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == 502
+    assert requests_seen(decode) == 0
+    assert metric(gw.url, "hetgate:pd_fallbacks_total", to="fail") == 1
+
+
+def test_failed_decode_falls_back_to_aggregated(sim, gateway):
+    prefill, decode, spare = sim(role="prefill"), sim(role="decode"), sim()
+    decode.set_faults({"error_status": 503})
+    cfg = pd_config(prefill, decode)
+    cfg["backends"].append(backend(spare, "spare", ("decode",)))
+    cfg["routing"]["policy"] = "least_load"
+    gw = gateway(cfg)
+    routes = {post(gw, chat_body()).headers["x-hetgate-route"] for _ in range(3)}
+    assert "mode=pd; prefill=p; decode=spare" in routes or any("decode_failed" in r for r in routes)
+    assert all(r.startswith(("mode=pd; prefill=p; decode=spare", "mode=aggregated")) for r in routes)
+
+
+# -- health: passive marking-down, active probes, half-open recovery ---------------------------------------
+
+
+def test_failing_backend_is_marked_down_then_recovers(sim, gateway):
+    flaky, good = sim(), sim()
+    gw = gateway(config([backend(flaky, "flaky"), backend(good, "good")], health={"interval_s": 60}))
+    flaky.set_faults({"error_status": 502})
+    for _ in range(6):
+        assert post(gw, chat_body()).status_code == 200
+    assert metric(gw.url, "hetgate:backend_healthy", backend="flaky") == 0
+    flaky.set_faults({})
+    time.sleep(0.6)  # recovery_s: one half-open trial goes through and brings it back
+    routes = [post(gw, chat_body()).headers["x-hetgate-route"] for _ in range(4)]
+    assert "mode=aggregated; backend=flaky" in routes
+    assert metric(gw.url, "hetgate:backend_healthy", backend="flaky") == 1
+
+
+def test_active_health_probe_marks_down_and_ready_reflects_it(sim, gateway):
+    server = sim()
+    gw = gateway(config([backend(server, "a")]))
+    assert httpx.get(f"{gw.url}/ready").status_code == 200
+    server.set_faults({"health_status": 503})
+    time.sleep(1.0)
+    assert httpx.get(f"{gw.url}/ready").status_code == 503
+    server.set_faults({})
+    time.sleep(1.0)
+    assert httpx.get(f"{gw.url}/ready").status_code == 200
+
+
+# -- keys ------------------------------------------------------------------------------------------------
+
+
+def test_gateway_keys_are_checked(sim, gateway):
+    server = sim()
+    gw = gateway(config([backend(server, "a")], auth={"api_keys": ["sk-right"]}))
+    assert post(gw, chat_body()).status_code == 401
+    assert post(gw, chat_body(), headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+    assert post(gw, chat_body(), headers={"Authorization": "Bearer sk-right"}).status_code == 200
+    assert httpx.get(f"{gw.url}/v1/models").status_code == 401
+    assert httpx.get(f"{gw.url}/health").status_code == 200
+    assert requests_seen(server) > 0
