@@ -236,9 +236,12 @@ class SimServer:
                 await asyncio.sleep(faults.first_byte_delay_s)
             if faults.error_status is not None:
                 return _json(protocol.error_body(faults.error_status, "simulated fault"), faults.error_status)
+            body: Any = None
             try:
-                parsed = protocol.parse_request(await _read_json(request), kind, self.served, self.tokenizer)
+                body = await _read_json(request)
+                parsed = protocol.parse_request(body, kind, self.served, self.tokenizer)
             except RequestError as err:
+                self._release_rejected_transfer(body)
                 return _json(err.body(), err.status)
             sim_request = self._sim_request(request, parsed)
             if sim_request.remote_prefill is not None:
@@ -364,6 +367,12 @@ class SimServer:
         # The simulator's "side channel" is its HTTP port: the decoder reports the pull to /sim/kv_pull.
         address = {"remote_host": self.config.host, "remote_port": self.port}
         return {**defaults, **final.kv_transfer_params, **address}
+
+    def _release_rejected_transfer(self, body: Any) -> None:
+        """vLLM tells the prefiller to free the KV of a decode request it rejects before the engine."""
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if isinstance(params, dict) and params.get("do_remote_prefill") and self.config.role != "prefill":
+            self._notify_prefiller(params)
 
     def _notify_prefiller(self, params: dict[str, Any]) -> None:
         """Stand-in for the NIXL pull: tell the prefiller its KV was read so it unpins the blocks."""

@@ -19,12 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import random
 import time
 import uuid
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,17 +107,22 @@ class PrefixCache:
         return events
 
     def _evict(self, limit: int, keep: set[int]) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        for block_hash in list(self._blocks):
-            if len(self._blocks) <= limit:
+        """Drop least recently used blocks (never those in `keep`) until at most `limit` remain."""
+        excess = len(self._blocks) - limit
+        if excess <= 0:
+            return []
+        victims: list[int] = []
+        for block_hash in self._blocks:  # oldest first; stops as soon as enough are found
+            if len(victims) == excess:
                 break
-            if block_hash in keep:
-                continue
+            if block_hash not in keep:
+                victims.append(block_hash)
+        for block_hash in victims:
             del self._blocks[block_hash]
-            events.append(
-                {"type": "BlockRemoved", "block_hashes": [block_hash], "medium": "GPU", "group_idx": 0}
-            )
-        return events
+        return [
+            {"type": "BlockRemoved", "block_hashes": [block_hash], "medium": "GPU", "group_idx": 0}
+            for block_hash in victims
+        ]
 
     def clear(self) -> None:
         self._blocks.clear()
@@ -194,15 +198,36 @@ class SimpleEngine:
         finally:
             self._stats.num_requests_waiting -= 1
         try:
-            async for output in self._run(request):
-                yield output
+            started = self._clock()
+            hashes, cached, ttft = await self._prefill(request, started)
+            reported_cached = _reported_cached_tokens(request, cached)
+            # One flat loop: this is the per-token hot path of every simulated request.
+            config, stats, running, rid = self.config, self._stats, self._running_blocks, request.request_id
+            tokens = output_token_ids(request.seed, config.first_token_id, config.num_token_ids)
+            first_wall, tpot_wall = started + ttft / config.time_scale, config.tpot_s / config.time_scale
+            context_len, output_ids = len(request.prompt_token_ids), []
+            max_tokens = 1 if request.prefill_only else max(1, request.max_tokens)
+            for index in range(max_tokens - 1):
+                token_id = next(tokens)
+                output_ids.append(token_id)
+                stats.generation_tokens += 1
+                context_len += 1
+                running[rid] = -(-context_len // config.block_size)
+                yield TokenOutput(token_id, num_cached_tokens=reported_cached)
+                if tpot_wall > 0:
+                    await self._sleep_until(first_wall + tpot_wall * (index + 1))
+            output_ids.append(next(tokens))
+            stats.generation_tokens += 1
+            self._cache_generated_blocks(request.prompt_token_ids + output_ids, hashes)
+            held = self._hold_for_transfer(request, cached) if request.prefill_only else None
+            yield TokenOutput(output_ids[-1], "length", reported_cached, held)
         finally:
             self._running_blocks.pop(request.request_id, None)
             self._slots.release()
 
-    async def _run(self, request: SimRequest) -> AsyncIterator[TokenOutput]:
+    async def _prefill(self, request: SimRequest, started: float) -> tuple[list[int], int, float]:
+        """Look up and account the prompt, wait its TTFT, cache its blocks: (hashes, cached, ttft_s)."""
         config = self.config
-        started = self._clock()
         prompt = request.prompt_token_ids
         hashes = block_hashes(prompt, config.block_size)
         cached, transferred = self._account_prompt(request, hashes)
@@ -214,25 +239,7 @@ class SimpleEngine:
         )
         await self._sleep_until(started + ttft / config.time_scale)
         self._publish(self._cache.insert(hashes, prompt, self._reserved_blocks()))
-        reported_cached = _reported_cached_tokens(request, cached)
-        rng = random.Random(request.seed)
-        output_ids: list[int] = []
-        max_tokens = 1 if request.prefill_only else max(1, request.max_tokens)
-        for index in range(max_tokens):
-            token_id = config.first_token_id + rng.randrange(config.num_token_ids)
-            output_ids.append(token_id)
-            self._stats.generation_tokens += 1
-            self._running_blocks[request.request_id] = _blocks_for(len(prompt) + index + 1, config.block_size)
-            if index + 1 < max_tokens:
-                yield TokenOutput(token_id, num_cached_tokens=reported_cached)
-                await self._sleep_until(started + (ttft + config.tpot_s * (index + 1)) / config.time_scale)
-        self._cache_generated_blocks(prompt + output_ids)
-        yield TokenOutput(
-            output_ids[-1],
-            finish_reason="length",
-            num_cached_tokens=reported_cached,
-            kv_transfer_params=self._hold_for_transfer(request, cached) if request.prefill_only else None,
-        )
+        return hashes, cached, ttft
 
     def _account_prompt(self, request: SimRequest, hashes: list[int]) -> tuple[int, int]:
         """Count prompt tokens by source; returns (locally cached, pulled from a prefiller)."""
@@ -275,9 +282,14 @@ class SimpleEngine:
             "remote_prefill_cached_tokens": cached,
         }
 
-    def _cache_generated_blocks(self, all_token_ids: list[int]) -> None:
+    def _cache_generated_blocks(self, all_token_ids: list[int], prompt_hashes: list[int]) -> None:
         """vLLM caches full blocks of prompt + output; multi-turn chats then hit the previous answer."""
-        hashes = block_hashes(all_token_ids, self.config.block_size)
+        size = self.config.block_size
+        parent = prompt_hashes[-1] if prompt_hashes else None
+        rest = block_hashes(all_token_ids[len(prompt_hashes) * size :], size, parent)
+        if not rest:
+            return
+        hashes = prompt_hashes + rest
         self._publish(self._cache.insert(hashes, all_token_ids, self._reserved_blocks()))
 
     def _reserved_blocks(self) -> int:
@@ -304,6 +316,20 @@ class SimpleEngine:
         delay = deadline - self._clock()
         if delay > 0:
             await self._sleep(delay)
+
+
+_U64 = (1 << 64) - 1
+
+
+def output_token_ids(seed: int, first_id: int, count: int) -> Iterator[int]:
+    """Endless deterministic token ids in [first_id, first_id + count) (SplitMix64: cheaper to start
+    than random.Random, which matters at one generator per request)."""
+    state = seed & _U64
+    while True:
+        state = (state + 0x9E3779B97F4A7C15) & _U64
+        mixed = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+        mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _U64
+        yield first_id + (mixed ^ (mixed >> 31)) % count
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:

@@ -30,6 +30,7 @@ VOCAB_SIZE = 65536
 # Ids below this are the generated vocabulary; words outside it hash into [_HASHED_BASE, VOCAB_SIZE).
 _HASHED_BASE = VOCAB_SIZE // 2
 
+_MAX_MEMO = 1 << 20
 _TOKEN_RE = re.compile(r"<\|endoftext\|>|<\|im_start\|>|<\|im_end\|>|\w+|\n|[^\w\s]")
 
 
@@ -61,6 +62,8 @@ class SimTokenizer:
         self.num_word_ids = _HASHED_BASE - self.first_word_id
         # Last word seen per hashed id; bounded by the hashed id range (32768 entries).
         self._seen: dict[int, str] = {}
+        # Word -> id memo: workloads reuse their words, and hashing is most of the tokenizing cost.
+        self._memo: dict[str, int] = dict(self._ids)
 
     def token_id(self, word: str) -> int:
         known = self._ids.get(word)
@@ -69,10 +72,13 @@ class SimTokenizer:
         digest = hashlib.blake2b(word.encode(), digest_size=8).digest()
         token_id = _HASHED_BASE + int.from_bytes(digest, "big") % (VOCAB_SIZE - _HASHED_BASE)
         self._seen[token_id] = word
+        if len(self._memo) < _MAX_MEMO:
+            self._memo[word] = token_id
         return token_id
 
     def encode(self, text: str) -> list[int]:
-        return [self.token_id(word) for word in _TOKEN_RE.findall(text)]
+        memo = self._memo
+        return [memo[word] if word in memo else self.token_id(word) for word in _TOKEN_RE.findall(text)]
 
     def token_strs(self, token_ids: Iterable[int]) -> list[str]:
         return [self.id_to_str(token_id) for token_id in token_ids]

@@ -227,6 +227,31 @@ async def test_prefill_on_the_cost_engine_then_decode_elsewhere() -> None:
         await eventually(released)
 
 
+async def test_a_rejected_decode_still_frees_the_prefillers_kv() -> None:
+    prompt = " ".join(f"w{i}" for i in range(50))
+    async with (
+        SimServer(SimServerConfig(model=MODEL, role="prefill")) as prefiller,
+        SimServer(SimServerConfig(model=MODEL, role="decode", max_model_len=256)) as decoder,
+        httpx.AsyncClient() as http,
+    ):
+        first = await http.post(
+            f"{prefiller.url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        )
+        params = first.json()["kv_transfer_params"]
+        assert await metric(prefiller, "hetgate:kv_blocks_held_for_transfer") == 4
+        rejected = await http.post(
+            f"{decoder.url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 1000, "kv_transfer_params": params},
+        )
+        assert rejected.status_code == 400
+
+        async def released() -> bool:
+            return await metric(prefiller, "hetgate:kv_blocks_held_for_transfer") == 0
+
+        await eventually(released)
+
+
 # ---- other ways to start one ---------------------------------------------------------------------
 
 
