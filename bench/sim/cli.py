@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", type=int, default=8000, help="0 picks a free port (printed on the ready line)")
     add("--model", default="sim-model")
     add("--served-model-name", nargs="+", default=None)
-    add("--role", choices=ROLES, default="both", help="P/D role: prefill, decode, or both")
+    add("--role", choices=ROLES, default=None, help="P/D role (default: from kv_role, else both)")
     add("--engine", choices=("simple", "cost"), default="simple")
     add("--accelerator", default="mi300x")
     add("--gpus", type=int, default=8)
@@ -56,13 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _role_from_kv_transfer(kv_transfer_config: dict[str, object] | None) -> str:
+    """vLLM's kv_role names the side a server plays in P/D."""
+    kv_role = (kv_transfer_config or {}).get("kv_role")
+    return {"kv_producer": "prefill", "kv_consumer": "decode"}.get(str(kv_role), "both")
+
+
 def config_from_args(args: argparse.Namespace) -> SimServerConfig:
     return SimServerConfig(
         model=args.model,
         served_model_names=args.served_model_name,
         host=args.host,
         port=args.port,
-        role=args.role,
+        role=args.role or _role_from_kv_transfer(args.kv_transfer_config),
         engine=args.engine,
         accelerator=args.accelerator,
         gpus=args.gpus,
@@ -103,6 +109,8 @@ async def _run(config: SimServerConfig) -> None:
 def main(argv: list[str]) -> int:
     try:
         config = config_from_args(build_parser().parse_args(argv))
+    except SystemExit as exit_:  # argparse's --help and usage errors: return their code, do not exit
+        return exit_.code if isinstance(exit_.code, int) else 2
     except ValueError as err:
         print(f"hetgate sim: {err}", file=sys.stderr)
         return 2
