@@ -24,10 +24,17 @@ if TYPE_CHECKING:
 
 class Affinity:
     def __init__(
-        self, index: PrefixIndex, hashers: dict[str, PromptHasher], tenant_header: str | None
+        self,
+        index: PrefixIndex,
+        hashers: dict[str, PromptHasher],
+        tenant_header: str | None,
+        precise_backends: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         self.index = index
         self.hashers = hashers
+        # Backends whose KV events feed the index: their entries are exactly what vLLM reports, so the
+        # gateway does not add guesses of its own.
+        self.precise_backends = frozenset(precise_backends)
         self.tenant_header = tenant_header.lower().encode() if tenant_header else None
         self._pending: set[asyncio.Task[None]] = set()
 
@@ -50,6 +57,8 @@ class Affinity:
         self, request: ParsedRequest, pool: ModelPool, features: RequestFeatures, served: list[BackendState]
     ) -> None:
         for backend in served:
+            if backend.id in self.precise_backends:
+                continue
             hashes = features.block_hashes.get(backend.spec.block_size)
             if hashes:
                 task = asyncio.create_task(

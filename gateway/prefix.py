@@ -6,15 +6,19 @@ touches an index: the request path stays as short as a plain proxy's.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.affinity import Affinity
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
-from gateway.registry import ModelPool, Registry
-from kvindex import PromptHasher, build_index, failure_counter
+from gateway.registry import BackendState, ModelPool, Registry
+from kvindex import GuardedIndex, PromptHasher, build_index, failure_counter
+from kvindex.events import KVEventSubscriber
 from kvindex.tokenizer import ChatTokenizer
+
+log = logging.getLogger("hetgate.prefix")
 
 
 @dataclass(slots=True)
@@ -54,8 +58,43 @@ async def build_prefix_services(
         on_failure=failure_counter(metrics.index_errors),
     )
     hashers = {name: _hasher(pool) for name, pool in registry.pools.items()}
-    affinity = Affinity(index, hashers, settings.tenant_salt_header)
-    return PrefixServices(affinity, index)
+    subscribers = [
+        _subscriber(b, index, hashers[b.config.model])
+        for b in registry.backends.values()
+        if b.config.kv_events
+    ]
+    precise = {s.backend_id for s in subscribers}
+    affinity = Affinity(index, hashers, settings.tenant_salt_header, precise_backends=precise)
+    services = PrefixServices(affinity, index, subscribers)
+    try:
+        for subscriber in subscribers:
+            await subscriber.start()
+    except Exception:
+        await services.close()
+        raise
+    return services
+
+
+def _subscriber(backend: BackendState, index: GuardedIndex, hasher: PromptHasher) -> KVEventSubscriber:
+    events = backend.config.kv_events
+    assert events is not None
+    if hasher.tokenizer is None:
+        log.warning(
+            "backend %s publishes KV events but model %s has no tokenizer configured: event hashes "
+            "(token ids) cannot meet request hashes (text); set models[].tokenizer",
+            backend.id,
+            backend.config.model,
+        )
+    return KVEventSubscriber(
+        backend.id,
+        backend.config.model,
+        events.endpoint,
+        index,
+        hasher,
+        topic=events.topic,
+        replay_endpoints=events.replay_endpoint,
+        host=backend.config.url.host or "127.0.0.1",
+    )
 
 
 def _hasher(pool: ModelPool) -> PromptHasher:
