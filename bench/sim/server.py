@@ -44,6 +44,7 @@ from bench.sim.tokenizer import SimTokenizer
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "SIM_READY "
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ROLES = ("prefill", "decode", "both")
 
 
@@ -419,7 +420,7 @@ class SimServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = render(self._engine().stats(), self.metrics, self.config.names[0])
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        return web.Response(text=text, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
     async def _version(self, request: web.Request) -> web.Response:
         return _json({"version": protocol.VLLM_VERSION}, 200)

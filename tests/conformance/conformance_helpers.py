@@ -34,6 +34,14 @@ def words(n: int, seed: str = "w") -> str:
     return " ".join(f"{seed}{i}" for i in range(n))
 
 
+def token_prompt(client: httpx.Client, target: ConformanceTarget, n: int, seed: str = "t") -> list[int]:
+    """Exactly n prompt token ids, whatever the tokenizer (a word is one token or more)."""
+    response = client.post("/tokenize", json={"model": target.model, "prompt": words(n, seed)})
+    tokens = response.json()["tokens"]
+    assert len(tokens) >= n
+    return tokens[:n]
+
+
 def sse_events(response: httpx.Response) -> list[bytes]:
     """The payloads of an SSE body, checking vLLM's framing: `data: <payload>\\n\\n`, nothing else."""
     body = response.read()

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conformance_helpers import ConformanceTarget, sse_chunks, words
+from conformance_helpers import ConformanceTarget, sse_chunks, token_prompt, words
 
 COMPLETION_KEYS = {
     "id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
@@ -158,7 +158,8 @@ def test_cached_tokens_are_reported_block_granular(
     client: httpx.Client, conformance_target: ConformanceTarget
 ) -> None:
     size = conformance_target.block_size
-    request = body(conformance_target, prompt=words(3 * size + 5, seed="cache"), max_tokens=1)
+    prompt = token_prompt(client, conformance_target, 3 * size + 5, seed="cache")
+    request = body(conformance_target, prompt=prompt, max_tokens=1)
     client.post("/v1/completions", json=request)
     usage = client.post("/v1/completions", json=request).json()["usage"]
     details = usage["prompt_tokens_details"]

@@ -11,7 +11,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from conformance_helpers import ConformanceTarget, words
+from conformance_helpers import ConformanceTarget, token_prompt
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _prompt_counter = itertools.count()
@@ -35,7 +35,7 @@ def next_batch(sub: zmq.Socket, client: httpx.Client, target: ConformanceTarget)
     """Send fresh full-block prompts until a batch arrives (PUB drops what is sent before it connects)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        prompt = words(3 * target.block_size, seed=f"kvev{next(_prompt_counter)}x")
+        prompt = token_prompt(client, target, 3 * target.block_size, seed=f"kvev{next(_prompt_counter)}x")
         client.post("/v1/completions", json={"model": target.model, "prompt": prompt, "max_tokens": 1})
         try:
             return sub.recv_multipart()

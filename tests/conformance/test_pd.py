@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conformance_helpers import ConformanceTarget, metric_samples, metric_value, words
+from conformance_helpers import ConformanceTarget, metric_samples, metric_value, token_prompt, words
 
 # What a gateway's prefill leg sends (vllm-reference.md A1, step 2).
 NIXL_REQUEST_PARAMS = {
@@ -54,7 +54,7 @@ def prefill(
 def test_prefill_response_carries_nixl_pull_params(
     prefiller: httpx.Client, conformance_target: ConformanceTarget
 ) -> None:
-    prompt = words(4 * conformance_target.block_size, seed="pd")
+    prompt = token_prompt(prefiller, conformance_target, 4 * conformance_target.block_size, seed="pd")
     response = prefill(prefiller, conformance_target, "conf-pd-1", prompt=prompt)
     params = response["kv_transfer_params"]
     assert set(params) >= OBSERVED_KEYS
@@ -73,7 +73,7 @@ def test_prefill_response_carries_nixl_pull_params(
 def test_chat_prefill_also_returns_params(
     prefiller: httpx.Client, conformance_target: ConformanceTarget
 ) -> None:
-    messages = [{"role": "user", "content": words(2 * conformance_target.block_size, seed="pdchat")}]
+    messages = [{"role": "user", "content": words(40, seed="pdchat")}]
     response = prefill(prefiller, conformance_target, "conf-pd-chat", messages=messages)
     assert response["kv_transfer_params"]["do_remote_prefill"] is True
 
@@ -83,7 +83,7 @@ def test_decode_with_the_prefillers_params(
 ) -> None:
     if conformance_target.decode_url is None:
         pytest.skip("no decode-role server in this target")
-    prompt = words(4 * conformance_target.block_size, seed="pd-decode")
+    prompt = token_prompt(prefiller, conformance_target, 4 * conformance_target.block_size, seed="pd-decode")
     params = prefill(prefiller, conformance_target, "conf-pd-2", prompt=prompt)["kv_transfer_params"]
     held_before = _held_blocks(prefiller)
     request = {
