@@ -192,6 +192,13 @@ class SimServer:
         assert server is not None and server.sockets
         self.port = server.sockets[0].getsockname()[1]
 
+    def set_faults(self, plan: FaultPlan | dict[str, Any]) -> None:
+        """Replace the fault plan (a FaultPlan or its JSON dict; see bench/sim/faults.py)."""
+        plan = plan if isinstance(plan, FaultPlan) else FaultPlan.from_dict(plan)
+        self.faults.set_plan(plan)
+        if plan.refuse_connections_s:
+            self._start_refusing(plan.refuse_connections_s)
+
     async def refuse_connections(self, seconds: float) -> None:
         """Stop listening and drop open connections for `seconds`, then listen again on the same port."""
         assert self._runner is not None and self._site is not None
@@ -605,8 +612,7 @@ class SimThread:
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
 
     def set_faults(self, plan: FaultPlan | dict[str, Any]) -> None:
-        plan = plan if isinstance(plan, FaultPlan) else FaultPlan.from_dict(plan)
-        self.call(lambda: self.server.faults.set_plan(plan))
+        self.call(lambda: self.server.set_faults(plan))
 
     def stop(self) -> None:
         if self._thread.is_alive():

@@ -114,7 +114,7 @@ async def test_error_status_for_the_next_requests_set_over_http(
 
 
 async def test_rate_limit_status(sim: SimServer, oai: openai.AsyncOpenAI) -> None:
-    sim.faults.set_plan(sim.faults.plan.from_dict({"error_status": 429, "error_count": 1}))
+    sim.set_faults({"error_status": 429, "error_count": 1})
     with pytest.raises(openai.RateLimitError):
         await oai.completions.create(model=MODEL, prompt="hi", max_tokens=1)
 
@@ -135,19 +135,32 @@ async def test_stream_cut_after_k_chunks(sim: SimServer) -> None:
 
 
 async def test_non_streamed_request_cut_gets_no_response(sim: SimServer) -> None:
-    sim.faults.set_plan(sim.faults.plan.from_dict({"close_after_chunks": 0, "close_count": 1}))
+    sim.set_faults({"close_after_chunks": 0, "close_count": 1})
     async with httpx.AsyncClient(base_url=sim.url) as http:
         with pytest.raises(httpx.RemoteProtocolError):
             await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
 
 
 async def test_first_byte_stall_trips_a_client_deadline(sim: SimServer) -> None:
-    sim.faults.set_plan(sim.faults.plan.from_dict({"first_byte_delay_s": 5.0, "delay_count": 1}))
+    sim.set_faults({"first_byte_delay_s": 5.0, "delay_count": 1})
     async with httpx.AsyncClient(base_url=sim.url, timeout=httpx.Timeout(5.0, read=0.2)) as http:
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
         fine = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
         assert fine.status_code == 200
+
+
+async def test_chunk_stall_trips_a_read_deadline_mid_stream(sim: SimServer) -> None:
+    sim.set_faults({"chunk_delay_s": 5.0, "delay_count": 1})
+    request = {"model": MODEL, "prompt": "slow", "max_tokens": 5, "stream": True}
+    frames: list[str] = []
+    async with httpx.AsyncClient(base_url=sim.url, timeout=httpx.Timeout(5.0, read=0.3)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            async with http.stream("POST", "/v1/completions", json=request) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        frames.append(line)
+    assert len(frames) == 1
 
 
 async def test_health_fault(sim: SimServer) -> None:
