@@ -4,7 +4,7 @@ Layout, chosen so `match` costs one dict lookup per block however many backends 
 - per key space (model, block_size): block hash -> bitmask of the backend slots holding it;
 - per backend: an LRU (OrderedDict, oldest first) of its blocks -> time last recorded, sized by the
   backend's capacity in blocks. All entries share one TTL, so the LRU's front is also the next to
-  expire; expired entries are dropped lazily, before any call that reads that backend.
+  expire; a sweep drops expired entries at most every TTL/16 (and a backend's own on each record).
 
 `match` walks the prompt's blocks AND-ing bitmasks, and stops as soon as no asked-for backend holds the
 block. Recording a prompt touches its blocks tail first, so the prompt's head is the most recently used
@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 DEFAULT_CAPACITY_BLOCKS = 1_000_000
+_BITS_CACHE_SIZE = 64
 
 
 class _Backend:
@@ -48,6 +49,9 @@ class MemoryIndex:
         self._holders: list[dict[int, int]] = []  # per space id: block hash -> backend bitmask
         self._backends: dict[str, _Backend] = {}
         self._free_bits: list[int] = []
+        self._generation = 0  # bumped when a backend's bit is assigned or freed
+        self._bits_cache: dict[tuple[str, ...], tuple[int, int, dict[int, list[int]]]] = {}
+        self._next_sweep = 0.0
 
     def set_capacity(self, backend_id: str, blocks: int) -> None:
         """Resize one backend (e.g. once vLLM's num_gpu_blocks is known); evicts at once if smaller."""
@@ -64,17 +68,38 @@ class MemoryIndex:
         space = self._spaces.get((model, block_size))
         if space is None or not hashes:
             return counts
-        now = self._clock()
+        self._sweep_if_due()
+        wanted, slot_of_bit = self._bits_of(backend_ids)
+        self._walk(self._holders[space], hashes, wanted, slot_of_bit, counts)
+        return counts
+
+    def _bits_of(self, backend_ids: Sequence[str]) -> tuple[int, dict[int, list[int]]]:
+        """The asked-for backends as one bitmask, and bit -> positions; cached per backend list
+        (a model's list is the same on every request) until a backend appears or is cleared."""
+        key = tuple(backend_ids)
+        cached = self._bits_cache.get(key)
+        if cached is not None and cached[0] == self._generation:
+            return cached[1], cached[2]
         wanted = 0
         slot_of_bit: dict[int, list[int]] = {}
         for i, backend_id in enumerate(backend_ids):
             backend = self._backends.get(backend_id)
             if backend is not None:
-                self._expire(backend, now)
                 wanted |= backend.bit
                 slot_of_bit.setdefault(backend.bit, []).append(i)
-        self._walk(self._holders[space], hashes, wanted, slot_of_bit, counts)
-        return counts
+        if len(self._bits_cache) >= _BITS_CACHE_SIZE:
+            self._bits_cache.clear()
+        self._bits_cache[key] = (self._generation, wanted, slot_of_bit)
+        return wanted, slot_of_bit
+
+    def _sweep_if_due(self) -> None:
+        """Expire every backend's old entries, at most every TTL/16 (so entries live < 1.07 TTL)."""
+        now = self._clock()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + self._ttl / 16
+        for backend in self._backends.values():
+            self._expire(backend, now)
 
     @staticmethod
     def _walk(
@@ -137,6 +162,7 @@ class MemoryIndex:
             self._drop_holder(space, block_hash, backend.bit)
         backend.lru.clear()
         self._free_bits.append(backend.bit)
+        self._generation += 1
 
     async def close(self) -> None:
         self._holders.clear()
@@ -157,6 +183,7 @@ class MemoryIndex:
             bit = self._free_bits.pop() if self._free_bits else 1 << len(self._backends)
             capacity = self._capacities.get(backend_id, self._default_capacity)
             backend = self._backends[backend_id] = _Backend(bit, capacity)
+            self._generation += 1
         return backend
 
     def _space(self, model: str, block_size: int) -> int:

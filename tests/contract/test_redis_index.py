@@ -78,7 +78,7 @@ async def test_layout_every_key_has_a_ttl_and_holds_only_hashes(
     await index.record(MODEL, BS, PROMPT[:2], "b")
     block_keys = {_block_key(prefix, i) for i in range(len(PROMPT))}
     backend_keys = {f"{{{prefix}}}:backend:{b}".encode() for b in "ab"}
-    slot_keys = {f"{{{prefix}}}:slots".encode(), f"{{{prefix}}}:slots:next".encode()}
+    slot_keys = {f"{{{prefix}}}:{name}".encode() for name in ("slots", "slots:next", "oldest")}
     assert set(_keys(redis_server, prefix)) == block_keys | backend_keys | slot_keys
     with redis_server.sync_client() as client:
         for key in block_keys | backend_keys | slot_keys:
@@ -126,18 +126,30 @@ async def test_wrong_type_key_stops_the_match_and_is_overwritten(
     assert await index.match(MODEL, BS, PROMPT, ["a"]) == [8]
 
 
-async def test_lost_backend_set_retires_the_slot(
-    index: RedisIndex, redis_server: RedisServer, prefix: str
-) -> None:
-    """If a backend's set vanished (evicted by maxmemory), its stale bits are never believed again."""
+async def test_lost_backend_set_retires_the_slot(redis_server: RedisServer, prefix: str) -> None:
+    """If a backend's set vanished uncleaned (maxmemory), its bits are believed at most one TTL."""
+    index = RedisIndex.from_url(redis_server.url, key_prefix=prefix, ttl_s=0.3)
     await index.record(MODEL, BS, PROMPT, "a")
     with redis_server.sync_client() as client:
         client.delete(f"{{{prefix}}}:backend:a")
+    await asyncio.sleep(0.35)
     assert await index.match(MODEL, BS, PROMPT, ["a"]) == [0]
     await index.record(MODEL, BS, PROMPT[:1], "b")  # must not inherit a's old slot or bits
     assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [0, 1]
     with redis_server.sync_client() as client:
         assert client.hgetall(f"{{{prefix}}}:slots") == {b"b": b"1"}
+    await index.close()
+
+
+async def test_removing_every_block_releases_the_slot(
+    index: RedisIndex, redis_server: RedisServer, prefix: str
+) -> None:
+    await index.record(MODEL, BS, PROMPT, "a")
+    await index.remove(MODEL, BS, PROMPT, "a")
+    await index.record(MODEL, BS, PROMPT[:2], "b")
+    with redis_server.sync_client() as client:
+        assert client.hgetall(f"{{{prefix}}}:slots") == {b"b": b"0"}
+    assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [0, 2]
 
 
 async def test_cleared_slot_is_reused_clean(
