@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prefill-token-s", type=float, default=_SIMPLE.prefill_token_s, help="simple engine")
     add("--tpot-s", type=float, default=_SIMPLE.tpot_s, help="simple engine")
     add("--max-num-seqs", type=int, default=_SIMPLE.max_num_seqs)
+    add("--max-num-queued-reqs", type=int, default=None, help="beyond this many waiting: 503")
     return parser
 
 
@@ -78,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
         num_gpu_blocks=args.num_gpu_blocks_override,
         cost_model=args.cost_model,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        max_num_queued_reqs=args.max_num_queued_reqs,
         enable_force_include_usage=args.enable_force_include_usage,
         kv_events=args.kv_events_config or KVEventsConfig(),
         kv_transfer_config=args.kv_transfer_config,

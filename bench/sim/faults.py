@@ -12,6 +12,10 @@ same JSON; `DELETE /sim/faults` clears it; `GET /sim/faults` shows what is left)
   close_after_chunks  abort the TCP connection after this many SSE chunks (0: before any byte;
                       a non-streamed response is aborted before its body whatever the value)
   close_count         how many requests are cut (null: all)
+  stream_error_after_chunks  after this many SSE chunks, send vLLM's in-band error event
+                      (`data: {"error": {...}}`, code 500) and `data: [DONE]`, as a failing engine does;
+                      a non-streamed request gets a 500 error response instead
+  stream_error_count  how many streams get it (null: all)
   health_status       status of GET /health (null: 200)
   refuse_connections_s  stop listening (connections are refused) for this many seconds and drop the
                       open connections; the server listens again on the same port afterwards
@@ -37,6 +41,8 @@ class FaultPlan:
     delay_count: int | None = None
     close_after_chunks: int | None = None
     close_count: int | None = None
+    stream_error_after_chunks: int | None = None
+    stream_error_count: int | None = None
     health_status: int | None = None
     refuse_connections_s: float = 0.0
     paths: list[str] = field(default_factory=lambda: list(GENERATION_PATHS))
@@ -61,7 +67,8 @@ class FaultPlan:
         for name in ("first_byte_delay_s", "chunk_delay_s", "refuse_connections_s"):
             if not isinstance(getattr(self, name), int | float) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a number >= 0")
-        for name in ("error_count", "delay_count", "close_after_chunks", "close_count"):
+        counted = ("error_count", "delay_count", "close_after_chunks", "close_count")
+        for name in (*counted, "stream_error_after_chunks", "stream_error_count"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 0):
                 raise ValueError(f"{name} must be an integer >= 0 or null")
@@ -78,6 +85,7 @@ class RequestFaults:
     first_byte_delay_s: float = 0.0
     chunk_delay_s: float = 0.0
     close_after_chunks: int | None = None
+    stream_error_after_chunks: int | None = None
 
 
 NO_FAULTS = RequestFaults()
@@ -107,12 +115,14 @@ class FaultInjector:
             return RequestFaults(error_status=plan.error_status)
         delayed = (plan.first_byte_delay_s or plan.chunk_delay_s) and _take(plan, "delay_count")
         closes = plan.close_after_chunks is not None and _take(plan, "close_count")
-        if not delayed and not closes:
+        errs = plan.stream_error_after_chunks is not None and _take(plan, "stream_error_count")
+        if not delayed and not closes and not errs:
             return NO_FAULTS
         return RequestFaults(
             first_byte_delay_s=plan.first_byte_delay_s if delayed else 0.0,
             chunk_delay_s=plan.chunk_delay_s if delayed else 0.0,
             close_after_chunks=plan.close_after_chunks if closes else None,
+            stream_error_after_chunks=plan.stream_error_after_chunks if errs else None,
         )
 
 

@@ -64,6 +64,7 @@ class SimServerConfig:
     num_gpu_blocks: int | None = None  # None: the engine's own (simple: 16384; cost: what fits the HBM)
     cost_model: str | None = None  # cost engine: model name in configs/models.yaml (default: `model`)
     enable_prompt_tokens_details: bool = False
+    max_num_queued_reqs: int | None = None  # waiting requests beyond this get 503 (vLLM SchedulerConfig)
     enable_force_include_usage: bool = False
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kv_transfer_config: dict[str, Any] | None = None
@@ -251,6 +252,9 @@ class SimServer:
             except RequestError as err:
                 self._release_rejected_transfer(body)
                 return _json(err.body(), err.status)
+            if self._queue_full():
+                self._release_rejected_transfer(body)
+                return _json(protocol.error_body(503, "The request queue is full."), 503)
             sim_request = self._sim_request(request, parsed)
             if sim_request.remote_prefill is not None:
                 self._notify_prefiller(sim_request.remote_prefill)
@@ -293,6 +297,9 @@ class SimServer:
             raise
         finally:
             await stream.aclose()
+        if faults.stream_error_after_chunks is not None:
+            self._observe_finished(started, "error")
+            return _json(protocol.error_body(500, "simulated engine failure"), 500)
         self._observe_finished(started, final.finish_reason or "length")
         if faults.close_after_chunks is not None:
             return _abort(request)
@@ -337,6 +344,9 @@ class SimServer:
             await writer.done()
         except (ConnectionResetError, _StreamCut):
             finish_reason = "abort"
+        except _InjectedStreamError:
+            finish_reason = "error"
+            await writer.send_error(protocol.error_body(500, "simulated engine failure"))
         except asyncio.CancelledError:
             self.metrics.record_finished("abort")
             raise
@@ -375,6 +385,11 @@ class SimServer:
         # The simulator's "side channel" is its HTTP port: the decoder reports the pull to /sim/kv_pull.
         address = {"remote_host": self.config.host, "remote_port": self.port}
         return {**defaults, **final.kv_transfer_params, **address}
+
+    def _queue_full(self) -> bool:
+        """vLLM rejects with 503 beyond max_num_queued_reqs (otherwise it queues without limit)."""
+        limit = self.config.max_num_queued_reqs
+        return limit is not None and self._engine().stats().num_requests_waiting >= limit
 
     def _release_rejected_transfer(self, body: Any) -> None:
         """vLLM tells the prefiller to free the KV of a decode request it rejects before the engine."""
@@ -526,6 +541,10 @@ class _StreamCut(Exception):
     """The fault plan cut this stream."""
 
 
+class _InjectedStreamError(Exception):
+    """The fault plan fails this stream in-band."""
+
+
 class _SseWriter:
     """Writes `data: {json}\\n\\n` frames, applying the request's chunk faults."""
 
@@ -540,11 +559,19 @@ class _SseWriter:
         await self._write(b"data: [DONE]\n\n")
         await self._response.write_eof()
 
+    async def send_error(self, error: dict[str, Any]) -> None:
+        """vLLM's mid-stream failure: an error event, then [DONE] (after the headers said 200)."""
+        await self._response.write(b"data: " + orjson.dumps(error) + b"\n\n")
+        await self._response.write(b"data: [DONE]\n\n")
+        await self._response.write_eof()
+
     async def _write(self, frame: bytes) -> None:
         faults = self._faults
         if faults.close_after_chunks is not None and self._sent >= faults.close_after_chunks:
             _abort(self._request)
             raise _StreamCut
+        if faults.stream_error_after_chunks is not None and self._sent >= faults.stream_error_after_chunks:
+            raise _InjectedStreamError
         if faults.chunk_delay_s and self._sent:
             await asyncio.sleep(faults.chunk_delay_s)
         await self._response.write(frame)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -161,6 +162,46 @@ async def test_chunk_stall_trips_a_read_deadline_mid_stream(sim: SimServer) -> N
                     if line.startswith("data: "):
                         frames.append(line)
     assert len(frames) == 1
+
+
+async def test_in_band_stream_error(sim: SimServer) -> None:
+    sim.set_faults({"stream_error_after_chunks": 2})
+    request = {"model": MODEL, "prompt": "fail", "max_tokens": 10, "stream": True}
+    async with httpx.AsyncClient(base_url=sim.url) as http:
+        streamed = await http.post("/v1/completions", json=request)
+        whole = await http.post("/v1/completions", json={**request, "stream": False})
+    assert streamed.status_code == 200
+    frames = streamed.text.split("\n\n")
+    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
+    assert json.loads(frames[2].removeprefix("data: "))["error"]["code"] == 500
+    assert len(frames) == 5
+    assert whole.status_code == 500 and whole.json()["error"]["code"] == 500
+    assert await metric(sim, "vllm:request_success_total", finished_reason="error") == 2
+
+
+async def test_queue_overflow_is_503() -> None:
+    engine = SimpleEngineConfig(max_num_seqs=1, tpot_s=0.05)
+    config = SimServerConfig(model=MODEL, max_num_queued_reqs=1, simple_engine=engine)
+    request = {"model": MODEL, "prompt": "busy", "max_tokens": 200, "stream": True}
+    async with SimServer(config) as server, httpx.AsyncClient(base_url=server.url) as http:
+
+        async def hold() -> None:
+            async with http.stream("POST", "/v1/completions", json=request) as response:
+                async for _ in response.aiter_lines():
+                    pass
+
+        holders = [asyncio.create_task(hold()) for _ in range(2)]
+
+        async def one_waiting() -> bool:
+            return await metric(server, "vllm:num_requests_waiting") == 1
+
+        await eventually(one_waiting)
+        rejected = await http.post("/v1/completions", json={**request, "stream": False})
+        for task in holders:
+            task.cancel()
+        await asyncio.gather(*holders, return_exceptions=True)
+    assert rejected.status_code == 503
+    assert rejected.json()["error"]["code"] == 503
 
 
 async def test_health_fault(sim: SimServer) -> None:

@@ -64,3 +64,9 @@ def test_health_status() -> None:
 def test_bad_plans_are_rejected(plan: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         FaultPlan.from_dict(plan)
+
+
+def test_stream_errors_are_counted() -> None:
+    injector = FaultInjector(FaultPlan.from_dict({"stream_error_after_chunks": 1, "stream_error_count": 1}))
+    assert injector.admit("/v1/completions") == RequestFaults(stream_error_after_chunks=1)
+    assert injector.admit("/v1/completions") is NO_FAULTS
