@@ -309,7 +309,7 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    console = Console()
+    console = Console(width=120)
     result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
     result["hashing"] = hashing_rows(args)
     result["lookup"] = asyncio.run(lookup_rows(args, "memory", MemoryIndex))

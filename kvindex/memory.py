@@ -64,6 +64,15 @@ class MemoryIndex:
     async def match(
         self, model: str, block_size: int, hashes: Sequence[int], backend_ids: Sequence[str]
     ) -> list[int]:
+        return self.match_now(model, block_size, hashes, backend_ids)
+
+    async def record(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
+        self.record_now(model, block_size, hashes, backend_id)
+
+    def match_now(
+        self, model: str, block_size: int, hashes: Sequence[int], backend_ids: Sequence[str]
+    ) -> list[int]:
+        """`match` without the coroutine, for synchronous callers (the discrete-event simulator)."""
         counts = [0] * len(backend_ids)
         space = self._spaces.get((model, block_size))
         if space is None or not hashes:
@@ -128,7 +137,8 @@ class MemoryIndex:
                 counts[slot] = len(hashes)
             alive ^= low
 
-    async def record(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
+    def record_now(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
+        """`record` without the coroutine."""
         if not hashes:
             return
         backend = self._backend(backend_id)
