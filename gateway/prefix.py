@@ -6,6 +6,7 @@ touches an index: the request path stays as short as a plain proxy's.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,7 @@ async def build_prefix_services(
     precise = {s.backend_id for s in subscribers}
     affinity = Affinity(index, hashers, settings.tenant_salt_header, precise_backends=precise)
     services = PrefixServices(affinity, index, subscribers)
+    await _warm_up(index, registry)
     try:
         for subscriber in subscribers:
             await subscriber.start()
@@ -73,6 +75,17 @@ async def build_prefix_services(
         await services.close()
         raise
     return services
+
+
+async def _warm_up(index: GuardedIndex, registry: Registry) -> None:
+    """Open the store's connection (and load Redis's scripts) before traffic arrives: a cold first call
+    can outlast the request deadline and would trip the guard for every request of the next second."""
+    pool = next(iter(registry.pools.values()))
+    try:
+        async with asyncio.timeout(2.0):
+            await index.store.match(pool.model.name, pool.block_sizes[0], [0], [pool.backends[0].id])
+    except Exception as error:  # a store that is down at start-up is the guard's business later
+        log.warning("prefix index store not reachable at start-up: %s", type(error).__name__)
 
 
 def _subscriber(backend: BackendState, index: GuardedIndex, hasher: PromptHasher) -> KVEventSubscriber:
