@@ -276,3 +276,28 @@ def test_bind_or_connect_follows_vllm(endpoint: str, we_bind: bool, address: str
 
 async def _eq(value: Awaitable[int], expected: int) -> bool:
     return await value == expected
+
+
+async def test_against_the_simulators_publisher(rig: Rig) -> None:
+    """Interoperates with an independently written vLLM-framed publisher (bench/sim/kv_events.py).
+    Its PUB drops what it sends before our SUB is connected, so the first batch reaches us through
+    the gap detection and the replay socket."""
+    from bench.sim.kv_events import KVEventsConfig, ZmqKVEventPublisher
+
+    endpoint, replay = _free_tcp(), f"ipc://{rig.tmp_path}/sim-replay.sock"
+    sub = await _started(rig, endpoint, replay)
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=endpoint, replay_endpoint=replay, topic=TOPIC
+    )
+    pub = ZmqKVEventPublisher(config)
+    await pub.start()
+    pub.publish([stored_map(ENGINE[:4], None, IDS)])
+    keepalive = [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}]
+
+    async def held_all() -> bool:
+        pub.publish(keepalive)  # later batches reveal the gap if the first one was dropped
+        return await rig.held(IDS) == 4
+
+    await eventually(held_all)
+    await pub.close()
+    await sub.stop()
