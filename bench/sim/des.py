@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.sim.scheduler import EngineRequest, SchedulerConfig, SchedulerCore, StepOutput, StepTimer
-from bench.workloads import WorkloadRequest
+from bench.workloads import Prompt, WorkloadRequest, block_token_ids
 from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from scoring.catalog import Accelerator, ModelSpec
 from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time
 from scoring.types import BackendSpec, BackendStats, Candidates, Mode, Outcome, RequestFeatures, Router
 
 _ARRIVE, _STEP_END, _WAKE = 0, 1, 2
+_PREFIX_BLIND = frozenset({"round_robin", "least_load"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,38 @@ class DesResult:
         }
 
 
+class PromptHasher:
+    """The gateway's chained block hashes (`kvindex.hashing.hash_token_ids`) of a workload prompt, memoised
+    per content block: the hashes of a full content block depend only on its parent hash and its id, so a
+    shared system prompt or trace block is hashed once, not once per request. Equal to hashing the whole
+    prompt's token ids (tested)."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.memo: dict[tuple[int, int, int], list[int]] = {}
+
+    def __call__(self, prompt: Prompt, block_size: int) -> list[int]:
+        if prompt.block_tokens % block_size:
+            return hash_token_ids(prompt.token_array(), block_size, self.root)
+        hashes: list[int] = []
+        parent, remaining = self.root, prompt.length
+        for block in prompt.blocks:
+            n = min(remaining, prompt.block_tokens)
+            if n < block_size:
+                break
+            key = (block_size, parent, block)
+            chunk = self.memo.get(key) if n == prompt.block_tokens else None
+            if chunk is None:
+                chunk = hash_token_ids(block_token_ids(block, prompt.block_tokens)[:n], block_size, parent)
+                if n == prompt.block_tokens:
+                    self.memo[key] = chunk
+            hashes.extend(chunk)
+            parent, remaining = chunk[-1], remaining - n
+            if remaining <= 0:
+                break
+        return hashes
+
+
 class Simulation:
     """Engines of one model behind one router; `run` replays a workload, returns per-request records."""
 
@@ -109,8 +142,12 @@ class Simulation:
         backends: Sequence[SimBackend],
         router: Router,
         efficiency: Efficiency = DEFAULT_EFFICIENCY,
+        prefix_lookup: bool | None = None,
     ) -> None:
         self.model = model
+        # Asking every engine's cache for every request is the costliest part of a decision; policies
+        # that ignore `cached_tokens` skip it (None: decide from the router's name).
+        self.prefix_lookup = router.name not in _PREFIX_BLIND if prefix_lookup is None else prefix_lookup
         self.backends = tuple(backends)
         self.router = router
         self.efficiency = efficiency
@@ -120,7 +157,7 @@ class Simulation:
         ]
         self.engines = [self._engine(b, hw) for b, hw in zip(self.backends, self.hardware, strict=True)]
         self.block_sizes = sorted({b.spec.block_size for b in self.backends})
-        self._root = root_hash(HashMode.TOKENS, model.name)
+        self.hasher = PromptHasher(root_hash(HashMode.TOKENS, model.name))
 
     def _engine(self, backend: SimBackend, hardware: Hardware) -> SchedulerCore:
         timer = StepTimer(self.model, hardware, self.efficiency)
@@ -151,6 +188,11 @@ class _Run:
         self.pending: list[StepOutput | None] = [None] * n
         self.wake_at = [float("inf")] * n
         self.in_flight = [0] * n
+        # The fixed columns of Candidates once, the live ones (load, kv_usage) per engine as it changes.
+        self.base = Candidates.build(sim.specs, tuple(BackendStats() for _ in range(n)))
+        self.load = self.base.load.copy()
+        self.kv_usage = self.base.kv_usage.copy()
+        self.dirty = set(range(n))
         self.records = [
             RequestRecord(w.request_id, w.arrival_s, w.prompt_len, w.max_tokens) for w in workload
         ]
@@ -239,29 +281,44 @@ class _Run:
         )
 
     def _hashes(self, i: int, w: WorkloadRequest) -> dict[int, list[int]]:
-        tokens = w.token_array()
-        return {bs: hash_token_ids(tokens, bs, self.sim._root) for bs in self.sim.block_sizes}
+        return {bs: self.sim.hasher(w.prompt, bs) for bs in self.sim.block_sizes}
 
     def _bs(self, engine: int) -> int:
         return self.sim.specs[engine].block_size
 
     def _candidates(self, hashes: dict[int, list[int]]) -> Candidates:
+        """The registry snapshot the gateway would route on: `Candidates.build` over each engine's live
+        `BackendStats`, with the per-engine work kept to engines that changed since the last decision."""
         engines = self.sim.engines
-        stats = tuple(
-            BackendStats(
+        for k in self.dirty:
+            e = engines[k]
+            stats = BackendStats(
                 in_flight=self.in_flight[k],
                 running=len(e.running),
                 waiting=len(e.waiting) + len(e.transferring),
                 kv_usage=1.0 - e.pool.num_free / e.config.num_gpu_blocks,
             )
-            for k, e in enumerate(engines)
+            row = Candidates.build((self.sim.specs[k],), (stats,))
+            self.load[k], self.kv_usage[k] = row.load[0], row.kv_usage[0]
+        self.dirty.clear()
+        cached = np.zeros(len(engines), dtype=np.int64)
+        if self.sim.prefix_lookup:
+            cached = np.fromiter(
+                (e.cached_prefix_tokens(hashes[e.config.block_size]) for e in engines),
+                dtype=np.int64,
+                count=len(engines),
+            )
+        base = self.base
+        return Candidates(
+            specs=base.specs,
+            healthy=base.healthy.copy(),
+            can_prefill=base.can_prefill.copy(),
+            can_decode=base.can_decode.copy(),
+            load=self.load.copy(),
+            capacity=base.capacity.copy(),
+            kv_usage=self.kv_usage.copy(),
+            cached_tokens=cached,
         )
-        cached = np.fromiter(
-            (e.cached_prefix_tokens(hashes[e.config.block_size]) for e in engines),
-            dtype=np.int64,
-            count=len(engines),
-        )
-        return Candidates.build(self.sim.specs, stats, cached)
 
     def _submit(self, engine: int, i: int, request: EngineRequest, t: float) -> None:
         try:
@@ -280,6 +337,7 @@ class _Run:
 
     # --- engines ----------------------------------------------------------------------------------------
     def _kick(self, engine: int, t: float) -> None:
+        self.dirty.add(engine)  # every change to an engine or its in-flight count is followed by a kick
         if self.busy[engine]:
             return
         core = self.sim.engines[engine]
@@ -308,20 +366,22 @@ class _Run:
         self.pending[engine] = None
         assert out is not None
         visible = 0
+        legs, records, pd_pending = self.legs, self.records, self.pd_pending
         for event in out.events:
-            i = self.legs.get((engine, event.request_id))
+            rid = event.request_id
+            i = legs.get((engine, rid))
             if i is None:
                 continue
-            if self._on_token(
-                engine,
-                i,
-                event.request_id,
-                event.first_token,
-                event.finish_reason,
-                event.num_cached_tokens,
-                t,
-            ):
+            if not event.first_token and event.finish_reason is None:
+                records[i].output_tokens += 1  # the common case: one more decoded token
                 visible += 1
+                continue
+            pair = pd_pending.get(rid)
+            if pair is not None and pair[0] == engine:
+                self._start_decode_leg(engine, pair[1], i, t)  # a prefill leg's token is not shown
+                continue
+            self._on_token(engine, i, rid, event.first_token, event.finish_reason, event.num_cached_tokens, t)
+            visible += 1
         if visible:
             self.times.append(t)
             self.counts.append(visible)
@@ -329,20 +389,14 @@ class _Run:
 
     def _on_token(
         self, engine: int, i: int, rid: str, first: bool, finish: str | None, cached: int, t: float
-    ) -> bool:
-        """Book one token; returns whether the client sees it (a prefill leg's token is dropped)."""
+    ) -> None:
         record = self.records[i]
-        pair = self.pd_pending.get(rid)
-        if pair is not None and pair[0] == engine:
-            self._start_decode_leg(engine, pair[1], i, t)
-            return False
         if first:
             record.first_token_s = t
             record.cached_tokens = cached
         record.output_tokens += 1
         if finish is not None:
             self._finish(engine, i, rid, t)
-        return True
 
     def _start_decode_leg(self, prefiller: int, decoder: int, i: int, t: float) -> None:
         w = self.workload[i]
@@ -360,7 +414,7 @@ class _Run:
                 self.sim.efficiency,
             )[0]
         )
-        hashes = hash_token_ids(w.token_array(), bs, self.sim._root)
+        hashes = self.sim.hasher(w.prompt, bs)
         self.prefill_of[w.request_id] = prefiller
         request = EngineRequest(
             w.request_id, w.prompt_len, w.max_tokens, hashes, remote_kv_tokens=remote, kv_transfer_s=transfer

@@ -181,12 +181,16 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.hash_of: list[int | None] = [None] * num_blocks
         self.by_hash: dict[int, int] = {}
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Blocks never used yet are handed out first, in order (as from vLLM's initial free queue), without
+        # building a queue of them up front; freed blocks join `free` in LRU order.
+        self.num_blocks = num_blocks
+        self.next_fresh = 0
+        self.free: OrderedDict[int, None] = OrderedDict()
         self.events: list[dict[str, Any]] = []
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.num_blocks - self.next_fresh
 
     def lookup(self, hashes: Sequence[int], limit: int) -> list[int]:
         """Blocks holding the longest cached run of `hashes[:limit]`."""
@@ -207,9 +211,13 @@ class BlockPool:
             self.ref[block] += 1
 
     def allocate(self, n: int) -> list[int]:
-        blocks = []
+        fresh = min(n, self.num_blocks - self.next_fresh)
+        blocks = list(range(self.next_fresh, self.next_fresh + fresh))
+        self.next_fresh += fresh
+        for block in blocks:
+            self.ref[block] = 1
         evicted = []
-        for _ in range(n):
+        for _ in range(n - fresh):
             block, _unused = self.free.popitem(last=False)
             old = self.hash_of[block]
             if old is not None:
@@ -224,10 +232,11 @@ class BlockPool:
 
     def release(self, blocks: list[int]) -> None:
         # Tail blocks first: the end of a prompt is the least likely to be shared, so it is evicted first.
+        ref, free = self.ref, self.free
         for block in reversed(blocks):
-            self.ref[block] -= 1
-            if self.ref[block] == 0:
-                self.free[block] = None
+            ref[block] -= 1
+            if ref[block] == 0:
+                free[block] = None
 
     def register(self, block: int, block_hash: int) -> bool:
         if not self.caching or block_hash in self.by_hash or self.hash_of[block] is not None:
@@ -342,26 +351,27 @@ class SchedulerCore:
         return StepOutput(now, end, events, prefill_tokens, decode_batch, pulled)
 
     def _advance_all(self, batch: list[tuple[_Req, int]], end: float) -> list[RequestEvent]:
-        events = []
+        events: list[RequestEvent] = []
+        emit = events.append
         left = False
         bs = self.config.block_size
         for req, n in batch:
-            req.computed += n
-            if req.hashed_blocks < req.num_hashes and req.computed // bs > req.hashed_blocks:
+            computed = req.computed = req.computed + n
+            if req.hashed_blocks < req.num_hashes and computed // bs > req.hashed_blocks:
                 self._register_blocks(req)
-            if req.computed < req.prompt_len + req.outputs:
+            if computed < req.prompt_len + req.outputs:
                 continue
-            req.outputs += 1
-            first = req.outputs == 1
-            if req.spec.prefill_only:
-                events.append(self._hold(req, end))
+            outputs = req.outputs = req.outputs + 1
+            spec = req.spec
+            if spec.prefill_only:
+                emit(self._hold(req, end))
                 left = True
-            elif req.outputs >= req.spec.max_tokens:
+            elif outputs >= spec.max_tokens:
                 self._finish(req)
                 left = True
-                events.append(RequestEvent(req.spec.request_id, first, "length", req.cached_tokens))
+                emit(RequestEvent(spec.request_id, outputs == 1, "length", req.cached_tokens))
             else:
-                events.append(RequestEvent(req.spec.request_id, first, None, req.cached_tokens))
+                emit(RequestEvent(spec.request_id, outputs == 1, None, req.cached_tokens))
         self.counters.generation_tokens += len(events)
         if left:
             self.running = [r for r in self.running if r.state == _RUNNING]
@@ -377,12 +387,15 @@ class SchedulerCore:
         batch: list[tuple[_Req, int]] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.prompt_len + req.outputs - req.computed, budget)
-            if req.computed + n > len(req.blocks) * self.config.block_size and not self._grow(req, n):
+        running, bs = self.running, self.config.block_size  # `_grow` pops from this same list
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = req.prompt_len + req.outputs - req.computed
+            if n > budget:
+                n = budget
+            if req.computed + n > len(req.blocks) * bs and not self._grow(req, n):
                 preempted = True
-                if req not in self.running:  # it preempted itself
+                if req not in running:  # it preempted itself
                     continue
             batch.append((req, n))
             budget -= n
@@ -468,7 +481,19 @@ class SchedulerCore:
         if full <= req.hashed_blocks:
             return
         hashes = req.spec.block_hashes
-        stored = [j for j in range(req.hashed_blocks, full) if self.pool.register(req.blocks[j], hashes[j])]
+        pool, blocks = self.pool, req.blocks
+        if not pool.caching:
+            req.hashed_blocks = full
+            return
+        by_hash, hash_of = pool.by_hash, pool.hash_of
+        stored = []
+        for j in range(req.hashed_blocks, full):
+            # Inline BlockPool.register: this loop runs for every prompt block of every request.
+            h, block = hashes[j], blocks[j]
+            if h not in by_hash and hash_of[block] is None:
+                by_hash[h] = block
+                hash_of[block] = h
+                stored.append(j)
         if stored and self.sink is not None:
             # One event per run of consecutive blocks, so each carries its own parent and token ids.
             run = [stored[0]]

@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 
 from bench import workloads as w
-from bench.sim.des import Simulation, make_backends
+from bench.sim.des import PromptHasher, Simulation, make_backends
+from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from scoring.catalog import load_catalog
 from scoring.router import build_router
 from scoring.types import Candidates, Mode, Outcome, RequestFeatures, Role, RoutePlan
@@ -52,7 +53,7 @@ def test_round_robin_spreads_requests_and_all_complete() -> None:
 
 def test_candidates_come_from_live_engine_state() -> None:
     spy = Spy(build_router("least_load"))
-    sim = Simulation(MODEL, backends(BOTH, BOTH), spy)
+    sim = Simulation(MODEL, backends(BOTH, BOTH), spy, prefix_lookup=True)
     requests = w.shared_system_prompts(
         40, system_prompts=1, system_tokens=2048, user_tokens=64, max_tokens=32
     )
@@ -110,3 +111,15 @@ def test_replay_is_deterministic() -> None:
         return {k: v for k, v in summary.items() if k != "wall_s"}
 
     assert once() == once()
+
+
+def test_memoised_prompt_hashes_equal_hashing_the_whole_prompt() -> None:
+    hasher = PromptHasher(root_hash(HashMode.TOKENS, "m"))
+    prompts = [
+        r.prompt for r in w.shared_system_prompts(5, system_prompts=2, system_tokens=1024, user_tokens=300)
+    ]
+    prompts += [r.prompt for r in w.mooncake_trace(limit=20)] + [w.fixed_lengths(1, 15, 1)[0].prompt]
+    for block_size in (16, 128, 100):
+        for prompt in prompts * 2:  # the second pass is served from the memo
+            expected = hash_token_ids(prompt.token_array(), block_size, root_hash(HashMode.TOKENS, "m"))
+            assert hasher(prompt, block_size) == expected
