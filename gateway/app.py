@@ -25,6 +25,7 @@ from gateway.proxy import Proxy
 from gateway.registry import BackendState, Registry
 from gateway.schemas import Kind
 from gateway.upstream import Upstream
+from scoring.catalog import load_catalog
 from scoring.router import build_router
 from scoring.types import Router
 
@@ -53,13 +54,17 @@ class CompletionEndpoint:
 
 def build_routers(config: GatewayConfig) -> dict[str, Router]:
     routing = config.routing
-    knobs: dict[str, float] = {}
-    if routing.policy == "prefix":
-        knobs = routing.prefix.model_dump()
-    return {
-        m.name: build_router(routing.policy, routing.disaggregation, routing.pd_min_prompt_tokens, **knobs)
-        for m in config.models
-    }
+    routers: dict[str, Router] = {}
+    for model in config.models:
+        knobs: dict[str, Any] = {}
+        if routing.policy == "prefix":
+            knobs = routing.prefix.model_dump()
+        elif routing.policy == "cost":
+            knobs = {"model": load_catalog().model(model.spec or "")}
+        routers[model.name] = build_router(
+            routing.policy, routing.disaggregation, routing.pd_min_prompt_tokens, **knobs
+        )
+    return routers
 
 
 def _models_body(config: GatewayConfig) -> bytes:

@@ -149,6 +149,12 @@ class GatewayConfig(_Strict):
         problems = list(_duplicates("models", (m.name for m in self.models), "name"))
         problems += _duplicates("backends", (b.id for b in self.backends), "id")
         names = {m.name for m in self.models}
+        if self.routing.policy == "cost":
+            problems += [
+                f"models[{i}].spec: required by routing.policy 'cost' (a model of configs/models.yaml)"
+                for i, m in enumerate(self.models)
+                if not m.spec
+            ]
         for i, backend in enumerate(self.backends):
             if backend.model not in names:
                 problems.append(f"backends[{i}].model: unknown model {backend.model!r}")

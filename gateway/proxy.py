@@ -53,6 +53,7 @@ class Exchange:
     served: list[BackendState] = field(default_factory=list)
     mode: str = "aggregated"
     responded: bool = False  # True once the status line went out: errors must then travel in-band
+    ttft_s: float = 0.0  # streamed responses: time to the first chunk sent to the client
 
 
 @dataclass(slots=True)
@@ -228,6 +229,7 @@ class Proxy:
                     chunk = rewriter.feed(chunk)
                 if not first_at:
                     first_at = time.perf_counter()
+                    ex.ttft_s = first_at - ex.started
                 events += chunk.count(b"data: ")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             finished = True

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -107,10 +107,13 @@ class PlanningRouter:
         return RoutePlan(mode=Mode.PD, aggregated=aggregated, prefill=prefill, decode=decodes, reason="split")
 
     def observe(self, outcome: Outcome) -> None:
-        """Plain policies learn nothing from outcomes."""
+        """Passes what a finished request measured to rankers that learn (the cost policy)."""
+        learn = getattr(self.ranker, "observe", None)
+        if learn is not None:
+            learn(outcome)
 
 
-def build_ranker(policy: str, **knobs: float) -> Ranker:
+def build_ranker(policy: str, **knobs: Any) -> Ranker:
     if policy == "round_robin":
         return RoundRobin()
     if policy == "least_load":
@@ -130,7 +133,7 @@ def build_router(
     policy: str,
     disaggregation: str | Disaggregation = Disaggregation.NEVER,
     pd_min_prompt_tokens: int = 1024,
-    **knobs: float,
+    **knobs: Any,
 ) -> PlanningRouter:
     split = SplitSettings(Disaggregation(disaggregation), pd_min_prompt_tokens)
     return PlanningRouter(build_ranker(policy, **knobs), split)

@@ -76,3 +76,23 @@ def test_route_header_can_be_turned_off(sim, gateway):
     assert r.status_code == 200
     assert "x-hetgate-route" not in r.headers
     assert orjson.loads(r.content)["object"] == "chat.completion"
+
+
+def test_cost_policy_sends_long_prompts_to_the_compute_rich_backend(sim, gateway):
+    fast, slow = sim(accelerator="mi300x"), sim(accelerator="mi308x")
+    cfg = config(
+        [
+            backend(fast, "mi300x-0", accelerator="mi300x", gpus=8),
+            backend(slow, "mi308x-0", accelerator="mi308x", gpus=8),
+        ],
+        routing={"policy": "cost"},
+    )
+    cfg["models"][0]["spec"] = "deepseek-r1"
+    gw = gateway(cfg)
+    routes = [
+        httpx.post(
+            f"{gw.url}/v1/chat/completions", json=chat_body("long prompt " * 2000), timeout=10
+        ).headers["x-hetgate-route"]
+        for _ in range(3)
+    ]
+    assert routes == ["mode=aggregated; backend=mi300x-0"] * 3
