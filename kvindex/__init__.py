@@ -29,6 +29,7 @@ def build_index(
     key_prefix: str = "hetgate",
     ttl_s: float = 600.0,
     deadline_ms: float = 20.0,
+    write_deadline_ms: float = 250.0,
     capacity_blocks: Mapping[str, int] | None = None,
     default_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
     on_failure: FailureCallback | None = None,
@@ -42,7 +43,7 @@ def build_index(
     if store == "redis":
         from kvindex.redis import RedisIndex
 
-        socket_timeout_s = max(0.05, 5 * deadline_ms / 1000)
+        socket_timeout_s = max(0.05, 2 * max(deadline_ms, write_deadline_ms) / 1000)
         inner = RedisIndex.from_url(
             redis_url, socket_timeout_s=socket_timeout_s, key_prefix=key_prefix, ttl_s=ttl_s, **sizes
         )
@@ -51,5 +52,9 @@ def build_index(
     else:
         raise ValueError(f"index.store must be 'memory' or 'redis', not {store!r}")
     return GuardedIndex(
-        inner, deadline_s=deadline_ms / 1000, on_failure=on_failure, retry_after_s=retry_after_s
+        inner,
+        deadline_s=deadline_ms / 1000,
+        on_failure=on_failure,
+        retry_after_s=retry_after_s,
+        write_deadline_s=write_deadline_ms / 1000,
     )

@@ -77,7 +77,9 @@ async def test_killed_redis_gives_zeros_then_recovers_after_restart(
     counts, elapsed = await _timed_match(index)
     assert counts == [0, 0] and elapsed < RETURN_BOUND_S
     assert _count(failures, "match", "error") + _count(failures, "match", "timeout") == 1
-    await index.record(MODEL, BS, PROMPT, "b")  # dropped while the guard is open
+    await index.record(MODEL, BS, PROMPT, "b")  # writes trip on their own: this one tries, and fails
+    assert _count(failures, "record", "error") + _count(failures, "record", "timeout") == 1
+    await index.record(MODEL, BS, PROMPT, "b")  # ... and the next is dropped at once
     assert _count(failures, "record", "open") == 1
 
     server.start()  # same port, empty (no persistence): only what is written after the restart
@@ -134,3 +136,19 @@ async def test_guard_turns_errors_into_zeros(failures: Counter) -> None:
     assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [0, 0]
     assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [0, 0]
     assert _count(failures, "match", "error") == 2
+
+
+class _SlowWrites(MemoryIndex):
+    async def record(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.2)
+        await super().record(*args, **kwargs)
+
+
+async def test_a_slow_write_does_not_blank_lookups(failures: Counter) -> None:
+    store = _SlowWrites()
+    await MemoryIndex.record(store, MODEL, BS, PROMPT, "a")
+    index = GuardedIndex(store, on_failure=failure_counter(failures), write_deadline_s=0.05)
+    await index.record(MODEL, BS, PROMPT, "b")
+    assert _count(failures, "record", "timeout") == 1
+    assert await index.match(MODEL, BS, PROMPT, ["a", "b"]) == [8, 0]
+    assert index.healthy
