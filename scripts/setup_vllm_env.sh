@@ -92,7 +92,31 @@ if [[ $FORCE -eq 0 && -f "$STAMP" && "$(cat "$STAMP")" == "$WANTED" ]] && versio
   exit 0
 fi
 
+# Debian packages we can add ourselves when running as root (CI); otherwise say what is missing.
+apt_install() {
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    log "installing Debian packages: $*"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  else
+    return 1
+  fi
+}
+
+# vLLM's CPU warm-up compiles C++ with torch inductor: it needs g++ and Python's headers.
+compiler_ok() {
+  local include
+  include=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  echo '#include <Python.h>' | g++ -x c++ -fsyntax-only -I"$include" - >/dev/null 2>&1
+}
+
 started=$(date +%s)
+if ! compiler_ok; then
+  apt_install g++ python3-dev && compiler_ok \
+    || die "g++ and Python headers are needed (Debian: apt-get install -y g++ python3-dev)"
+fi
+if ! "$PYTHON" -c 'import ensurepip' >/dev/null 2>&1; then
+  apt_install python3-venv || die "$PYTHON cannot create venvs (Debian: apt-get install -y python3-venv)"
+fi
 if [[ $FORCE -eq 1 ]]; then
   rm -rf "$VENV"
 fi

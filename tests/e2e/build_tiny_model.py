@@ -23,9 +23,6 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 PAD, BOS, EOS, IM_START, IM_END = "<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
 VOCAB_SIZE = 4096
@@ -176,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=default_model_dir())
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache is complete")
     args = parser.parse_args(argv)
+    # Set before transformers is imported (in build): it must never reach for the Hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.force or not is_complete(args.out):
         build(args.out)
         print(f"built tiny model in {args.out}", file=sys.stderr)
