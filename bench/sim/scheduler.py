@@ -740,14 +740,20 @@ def build_cost_engine(
     accelerator: Accelerator,
     gpus: int,
     *,
-    scheduler: SchedulerConfig | None = None,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    num_gpu_blocks: int | None = None,
     efficiency: Efficiency = DEFAULT_EFFICIENCY,
     engine: CostEngineConfig | None = None,
     sink: KVEventSink | None = None,
 ) -> CostModelEngine:
-    """The `--engine cost` backend: KV blocks sized from the cost model unless `scheduler` fixes them."""
+    """The `--engine cost` backend; KV blocks sized by the cost model (weights subtracted) unless given."""
     timer = StepTimer.for_accelerator(model, accelerator, gpus, efficiency)
-    config = scheduler or SchedulerConfig()
-    if scheduler is None:
-        config = SchedulerConfig(num_gpu_blocks=max(1, timer.kv_capacity_blocks(config.block_size)))
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks or max(1, timer.kv_capacity_blocks(block_size)),
+    )
     return CostModelEngine(SchedulerCore(config, timer, sink), engine)

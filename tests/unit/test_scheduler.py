@@ -13,6 +13,7 @@ from bench.sim.scheduler import (
     SchedulerConfig,
     SchedulerCore,
     StepTimer,
+    build_cost_engine,
     chained_block_hashes,
 )
 from scoring.catalog import load_catalog
@@ -243,3 +244,22 @@ async def test_closing_the_stream_aborts_the_request() -> None:
         assert engine.core.pool.num_free == engine.core.config.num_gpu_blocks
     finally:
         await engine.stop()
+
+
+async def test_built_cost_engine_sizes_its_cache_from_the_cost_model() -> None:
+    engine = build_cost_engine(
+        CATALOG.model("tiny-cpu"),
+        CATALOG.accelerator("cpu"),
+        1,
+        block_size=128,
+        engine=CostEngineConfig(1000.0),
+    )
+    stats = engine.stats()
+    assert stats.block_size == 128
+    assert stats.num_gpu_blocks == int((8e9 * 0.9 - 0.0037e9 * 2) // 1024) // 128
+    await engine.start()
+    try:
+        outputs = [o async for o in engine.generate(SimRequest("r", prompt(1, 300), 3))]
+    finally:
+        await engine.stop()
+    assert len(outputs) == 3 and engine.stats().generation_tokens == 3
