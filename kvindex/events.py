@@ -125,6 +125,8 @@ class KVEventSubscriber:
 
     async def start(self) -> None:
         """Open the sockets (bind errors surface here) and start one reader per publisher."""
+        if self._own_context and self._context.closed:  # started again after stop()
+            self._context = zmq.asyncio.Context()
         for source in self._sources:
             sock = self._context.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
