@@ -122,7 +122,11 @@ def main(argv: list[str]) -> int:
         uvloop.install()
     except ImportError:  # uvloop is optional; asyncio's loop works, slower
         pass
-    asyncio.run(_run(config))
+    try:
+        asyncio.run(_run(config))
+    except (ValueError, OSError) as err:  # unknown catalog model or accelerator, port in use, bad endpoint
+        print(f"hetgate sim: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

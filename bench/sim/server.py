@@ -162,6 +162,14 @@ class SimServer:
         await self.stop()
 
     async def start(self) -> str:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # free whatever did start: sockets, the engine's tasks
+            raise
+        return self.url
+
+    async def _start(self) -> None:
         if self.config.kv_events.active:
             self.publisher = ZmqKVEventPublisher(self.config.kv_events)
             await self.publisher.start()
@@ -171,7 +179,6 @@ class SimServer:
         self._runner = web.AppRunner(self._build_app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         await self._listen(self.config.port)
-        return self.url
 
     async def stop(self) -> None:
         for task in list(self._background):
@@ -627,7 +634,13 @@ class SimThread:
 
     def start(self) -> SimThread:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+            raise
         return self
 
     def call(self, fn: Callable[[], Any]) -> Any:
