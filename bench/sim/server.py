@@ -108,23 +108,21 @@ def build_engine(config: SimServerConfig, kv_events: KVEventSink | None) -> Engi
 
 
 def _build_cost_engine(config: SimServerConfig, kv_events: KVEventSink | None) -> Engine:
-    """The roofline engine (bench/sim/scheduler.py); imported only when asked for."""
-    from bench.sim.scheduler import CostEngineConfig, SchedulerConfig, StepTimer, build_cost_engine
+    """The roofline engine (bench/sim/scheduler.py); imported only when asked for. Its KV lease is the
+    scheduler's default (30 s): build_cost_engine takes no lease argument."""
+    from bench.sim.scheduler import CostEngineConfig, build_cost_engine
     from scoring.catalog import load_catalog
 
     catalog = load_catalog()
-    model = catalog.model(config.cost_model or config.model)
-    accelerator = catalog.accelerator(config.accelerator)
-    num_blocks = config.num_gpu_blocks
-    if num_blocks is None:
-        timer = StepTimer.for_accelerator(model, accelerator, config.gpus)
-        num_blocks = max(1, timer.kv_capacity_blocks(config.block_size))
-    scheduler = SchedulerConfig(
-        block_size=config.block_size, num_gpu_blocks=num_blocks, kv_lease_s=config.kv_lease_s
-    )
-    engine = CostEngineConfig(time_scale=config.time_scale, kv_host=config.host)
     return build_cost_engine(
-        model, accelerator, config.gpus, scheduler=scheduler, engine=engine, sink=kv_events
+        catalog.model(config.cost_model or config.model),
+        catalog.accelerator(config.accelerator),
+        config.gpus,
+        block_size=config.block_size,
+        max_num_seqs=(config.simple_engine or SimpleEngineConfig()).max_num_seqs,
+        num_gpu_blocks=config.num_gpu_blocks,
+        engine=CostEngineConfig(time_scale=config.time_scale, kv_host=config.host),
+        sink=kv_events,
     )
 
 
