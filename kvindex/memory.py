@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 DEFAULT_CAPACITY_BLOCKS = 1_000_000
 _BITS_CACHE_SIZE = 64
+_HASH_MASK = (1 << 64) - 1
 
 
 class _Backend:
@@ -27,8 +28,9 @@ class _Backend:
     def __init__(self, bit: int, capacity: int) -> None:
         self.bit = bit
         self.capacity = capacity
-        # (space id, block hash) -> monotonic time it was last recorded.
-        self.lru: OrderedDict[tuple[int, int], float] = OrderedDict()
+        # (space id << 64 | block hash) -> monotonic time it was last recorded. One int per key, not a
+        # tuple: ~25% less memory per indexed block (bench/index_bench.py measures it).
+        self.lru: OrderedDict[int, float] = OrderedDict()
 
 
 class MemoryIndex:
@@ -147,7 +149,7 @@ class MemoryIndex:
         now = self._clock()
         lru = backend.lru
         for block_hash in reversed(hashes):  # head last: most recently used, evicted last
-            key = (space, block_hash)
+            key = space << 64 | block_hash
             if key in lru:
                 lru.move_to_end(key)
             holders[block_hash] = holders.get(block_hash, 0) | backend.bit
@@ -161,15 +163,16 @@ class MemoryIndex:
         if backend is None or space is None:
             return
         for block_hash in hashes:
-            if backend.lru.pop((space, block_hash), None) is not None:
-                self._drop_holder(space, block_hash, backend.bit)
+            key = space << 64 | block_hash
+            if backend.lru.pop(key, None) is not None:
+                self._drop_holder(key, backend.bit)
 
     async def clear_backend(self, backend_id: str) -> None:
         backend = self._backends.pop(backend_id, None)
         if backend is None:
             return
-        for space, block_hash in backend.lru:
-            self._drop_holder(space, block_hash, backend.bit)
+        for key in backend.lru:
+            self._drop_holder(key, backend.bit)
         backend.lru.clear()
         self._free_bits.append(backend.bit)
         self._generation += 1
@@ -211,16 +214,17 @@ class MemoryIndex:
             if touched > deadline:
                 return
             del lru[key]
-            self._drop_holder(key[0], key[1], backend.bit)
+            self._drop_holder(key, backend.bit)
 
     def _evict_over_capacity(self, backend: _Backend) -> None:
         lru = backend.lru
         while len(lru) > backend.capacity:
-            (space, block_hash), _ = lru.popitem(last=False)
-            self._drop_holder(space, block_hash, backend.bit)
+            key, _ = lru.popitem(last=False)
+            self._drop_holder(key, backend.bit)
 
-    def _drop_holder(self, space: int, block_hash: int, bit: int) -> None:
-        holders = self._holders[space]
+    def _drop_holder(self, key: int, bit: int) -> None:
+        holders = self._holders[key >> 64]
+        block_hash = key & _HASH_MASK
         mask = holders.get(block_hash, 0) & ~bit
         if mask:
             holders[block_hash] = mask
