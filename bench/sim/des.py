@@ -17,6 +17,7 @@ Prompt block hashes come from `kvindex/hashing.py`, as on the gateway's request 
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
 from collections.abc import Sequence
@@ -24,7 +25,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.sim.scheduler import EngineRequest, SchedulerConfig, SchedulerCore, StepOutput, StepTimer
+from bench.sim.scheduler import (
+    EngineRequest,
+    RequestEvent,
+    SchedulerConfig,
+    SchedulerCore,
+    StepOutput,
+    StepTimer,
+)
 from bench.workloads import Prompt, WorkloadRequest, block_token_ids
 from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from scoring.catalog import Accelerator, ModelSpec
@@ -167,6 +175,7 @@ class Simulation:
             max_num_batched_tokens=backend.max_num_batched_tokens,
             block_size=backend.spec.block_size,
             num_gpu_blocks=max(1, blocks),
+            emit_every_token=False,
         )
         return SchedulerCore(config, timer)
 
@@ -207,20 +216,20 @@ class _Run:
         self.counts: list[int] = []
         self.steps = 0
         self.next_issue = 0
+        self.arrival_order: list[int] = []
 
     # --- the loop ---------------------------------------------------------------------------------------
     def execute(self) -> DesResult:
         started = time.perf_counter()
-        self._issue_initial()
-        while self.heap:
-            t, _seq, kind, arg = heapq.heappop(self.heap)
-            if kind == _ARRIVE:
-                self._arrive(arg, t)
-            elif kind == _STEP_END:
-                self._step_end(arg, t)
-            elif t >= self.wake_at[arg]:
-                self.wake_at[arg] = float("inf")
-                self._kick(arg, t)
+        # The loop allocates millions of short-lived, acyclic objects while 100k records stay alive: the
+        # cyclic collector would rescan those records again and again (a superlinear cost), so it waits.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._loop()
+        finally:
+            if collecting:
+                gc.enable()
         return DesResult(
             self.records,
             np.asarray(self.times),
@@ -230,18 +239,37 @@ class _Run:
             {spec.id: _stats_row(e) for spec, e in zip(self.sim.specs, self.sim.engines, strict=True)},
         )
 
+    def _loop(self) -> None:
+        self._issue_initial()
+        while self.heap:
+            t, _seq, kind, arg = heapq.heappop(self.heap)
+            if kind == _ARRIVE:
+                self._issue_open_loop()
+                self._arrive(arg, t)
+            elif kind == _STEP_END:
+                self._step_end(arg, t)
+            elif t >= self.wake_at[arg]:
+                self.wake_at[arg] = float("inf")
+                self._kick(arg, t)
+
     def _push(self, t: float, kind: int, arg: int) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, arg))
 
     def _issue_initial(self) -> None:
         if self.concurrency is None:
-            for i, w in enumerate(self.workload):
-                self._push(w.arrival_s, _ARRIVE, i)
-            self.next_issue = len(self.workload)
+            # Open loop: arrivals enter the heap one at a time, in time order, so the heap stays small.
+            self.arrival_order = sorted(range(len(self.workload)), key=lambda i: self.workload[i].arrival_s)
+            self._issue_open_loop()
             return
         for _ in range(min(self.concurrency, len(self.workload))):
             self._issue_next(0.0)
+
+    def _issue_open_loop(self) -> None:
+        if self.concurrency is None and self.next_issue < len(self.arrival_order):
+            i = self.arrival_order[self.next_issue]
+            self.next_issue += 1
+            self._push(self.workload[i].arrival_s, _ARRIVE, i)
 
     def _issue_next(self, t: float) -> None:
         if self.next_issue < len(self.workload):
@@ -365,37 +393,31 @@ class _Run:
         self.busy[engine] = False
         self.pending[engine] = None
         assert out is not None
-        visible = 0
-        legs, records, pd_pending = self.legs, self.records, self.pd_pending
-        for event in out.events:
+        visible = out.tokens
+        legs, pd_pending = self.legs, self.pd_pending
+        for event in out.events:  # only first and last tokens: the engines run with emit_every_token off
             rid = event.request_id
             i = legs.get((engine, rid))
             if i is None:
                 continue
-            if not event.first_token and event.finish_reason is None:
-                records[i].output_tokens += 1  # the common case: one more decoded token
-                visible += 1
-                continue
             pair = pd_pending.get(rid)
             if pair is not None and pair[0] == engine:
                 self._start_decode_leg(engine, pair[1], i, t)  # a prefill leg's token is not shown
+                visible -= 1
                 continue
-            self._on_token(engine, i, rid, event.first_token, event.finish_reason, event.num_cached_tokens, t)
-            visible += 1
+            self._on_token(engine, i, rid, event, t)
         if visible:
             self.times.append(t)
             self.counts.append(visible)
         self._kick(engine, t)
 
-    def _on_token(
-        self, engine: int, i: int, rid: str, first: bool, finish: str | None, cached: int, t: float
-    ) -> None:
+    def _on_token(self, engine: int, i: int, rid: str, event: RequestEvent, t: float) -> None:
         record = self.records[i]
-        if first:
+        if event.first_token:
             record.first_token_s = t
-            record.cached_tokens = cached
-        record.output_tokens += 1
-        if finish is not None:
+            record.cached_tokens = event.num_cached_tokens
+        record.output_tokens = event.num_output_tokens
+        if event.finish_reason is not None:
             self._finish(engine, i, rid, t)
 
     def _start_decode_leg(self, prefiller: int, decoder: int, i: int, t: float) -> None:

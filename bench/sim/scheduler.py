@@ -62,6 +62,9 @@ class SchedulerConfig:
     num_gpu_blocks: int = 16384
     enable_prefix_caching: bool = True
     kv_lease_s: float = 30.0  # vLLM's kv_lease_duration: a prefiller frees unpulled KV after this
+    # False: only first and last tokens produce a RequestEvent (the DES needs no more); `StepOutput.tokens`
+    # still counts every token.
+    emit_every_token: bool = True
 
 
 @dataclass(slots=True)
@@ -86,6 +89,7 @@ class RequestEvent:
     first_token: bool
     finish_reason: str | None
     num_cached_tokens: int
+    num_output_tokens: int = 0  # tokens of this request generated so far, this one included
 
 
 @dataclass(slots=True)
@@ -97,6 +101,7 @@ class StepOutput:
     decode_batch: int = 0
     # P/D decode: requests whose remote KV arrived by `start_s` (their prefiller may free it now).
     kv_pulled: list[str] = field(default_factory=list)
+    tokens: int = 0  # tokens generated in this step (all requests, prefill-only legs included)
 
     @property
     def idle(self) -> bool:
@@ -175,9 +180,10 @@ class _Req:
 class BlockPool:
     """KV blocks with reference counts, a hash -> block map and an LRU queue of free blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, caching: bool, emit_events: bool = True) -> None:
         self.block_size = block_size
         self.caching = caching
+        self.emit_events = emit_events  # without a sink nobody reads the events: skip building them
         self.ref = [0] * num_blocks
         self.hash_of: list[int | None] = [None] * num_blocks
         self.by_hash: dict[int, int] = {}
@@ -217,16 +223,17 @@ class BlockPool:
         for block in blocks:
             self.ref[block] = 1
         evicted = []
+        free, hash_of, by_hash, ref = self.free, self.hash_of, self.by_hash, self.ref
         for _ in range(n - fresh):
-            block, _unused = self.free.popitem(last=False)
-            old = self.hash_of[block]
+            block, _unused = free.popitem(last=False)
+            old = hash_of[block]
             if old is not None:
-                del self.by_hash[old]
-                self.hash_of[block] = None
+                del by_hash[old]
+                hash_of[block] = None
                 evicted.append(old)
-            self.ref[block] = 1
+            ref[block] = 1
             blocks.append(block)
-        if evicted:
+        if evicted and self.emit_events:
             self.events.append({"type": "BlockRemoved", "block_hashes": evicted, "medium": "GPU"})
         return blocks
 
@@ -273,7 +280,12 @@ class SchedulerCore:
         self.config = config
         self.timer = timer
         self.sink = sink
-        self.pool = BlockPool(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(
+            config.num_gpu_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            emit_events=sink is not None,
+        )
         self.waiting: deque[_Req] = deque()
         self.transferring: list[_Req] = []
         self.running: list[_Req] = []
@@ -346,14 +358,16 @@ class SchedulerCore:
                 prefill_tokens += n
                 prefill_pairs += n * req.computed + n * (n + 1) / 2  # causal pairs, as cost.causal_pairs
         end = now + self.timer(prefill_tokens, prefill_pairs, decode_batch, decode_context)
-        events = self._advance_all(batch, end)
+        events, tokens = self._advance_all(batch, end)
         self._flush_events()
-        return StepOutput(now, end, events, prefill_tokens, decode_batch, pulled)
+        return StepOutput(now, end, events, prefill_tokens, decode_batch, pulled, tokens)
 
-    def _advance_all(self, batch: list[tuple[_Req, int]], end: float) -> list[RequestEvent]:
+    def _advance_all(self, batch: list[tuple[_Req, int]], end: float) -> tuple[list[RequestEvent], int]:
         events: list[RequestEvent] = []
         emit = events.append
         left = False
+        tokens = 0
+        every = self.config.emit_every_token
         bs = self.config.block_size
         for req, n in batch:
             computed = req.computed = req.computed + n
@@ -362,6 +376,7 @@ class SchedulerCore:
             if computed < req.prompt_len + req.outputs:
                 continue
             outputs = req.outputs = req.outputs + 1
+            tokens += 1
             spec = req.spec
             if spec.prefill_only:
                 emit(self._hold(req, end))
@@ -369,13 +384,13 @@ class SchedulerCore:
             elif outputs >= spec.max_tokens:
                 self._finish(req)
                 left = True
-                emit(RequestEvent(spec.request_id, outputs == 1, "length", req.cached_tokens))
-            else:
-                emit(RequestEvent(spec.request_id, outputs == 1, None, req.cached_tokens))
-        self.counters.generation_tokens += len(events)
+                emit(RequestEvent(spec.request_id, outputs == 1, "length", req.cached_tokens, outputs))
+            elif every or outputs == 1:
+                emit(RequestEvent(spec.request_id, outputs == 1, None, req.cached_tokens, outputs))
+        self.counters.generation_tokens += tokens
         if left:
             self.running = [r for r in self.running if r.state == _RUNNING]
-        return events
+        return events, tokens
 
     def _finish(self, req: _Req) -> None:
         self.requests.pop(req.spec.request_id, None)
@@ -474,7 +489,7 @@ class SchedulerCore:
         req.state = _HELD
         req.held_until = end + self.config.kv_lease_s
         self.held[req.spec.request_id] = req
-        return RequestEvent(req.spec.request_id, True, "length", req.cached_tokens)
+        return RequestEvent(req.spec.request_id, True, "length", req.cached_tokens, 1)
 
     def _register_blocks(self, req: _Req) -> None:
         full = min(req.computed // self.config.block_size, len(req.spec.block_hashes))
