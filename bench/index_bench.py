@@ -238,7 +238,7 @@ class CountingConnection(redis.asyncio.Connection):
 
 async def redis_round_trips(port: int, hashes: tuple[int, ...], backends: int, calls: int) -> float:
     """Client round trips per match, counted at the client's connection."""
-    pool = redis.asyncio.ConnectionPool(port=port, connection_class=CountingConnection)
+    pool = redis.asyncio.ConnectionPool(port=port, connection_class=CountingConnection, socket_timeout=30)
     store = RedisIndex(redis.asyncio.Redis(connection_pool=pool), key_prefix=f"rt-{uuid.uuid4().hex}")
     ids = await populate(store, hashes, backends)
     await store.match(MODEL, BLOCK_SIZE, hashes, ids)  # connection handshake and script load
@@ -261,7 +261,7 @@ async def ping_ms(port: int, repeats: int, calls: int) -> float:
 
 def redis_bytes_per_million(port: int, blocks: int) -> float:
     async def fill() -> None:
-        store = RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", key_prefix="mem")
+        store = RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout_s=30, key_prefix="mem")
         per_call = 1000
         for start in range(0, blocks, per_call):
             chunk = [(start + i) * 0x9E3779B97F4A7C15 % 2**64 for i in range(per_call)]
@@ -319,7 +319,7 @@ def main(argv: list[str]) -> int:
             url = f"redis://127.0.0.1:{port}/0"
 
             def make_redis() -> RedisIndex:
-                return RedisIndex.from_url(url, key_prefix=f"bench-{uuid.uuid4().hex}")
+                return RedisIndex.from_url(url, socket_timeout_s=30, key_prefix=f"bench-{uuid.uuid4().hex}")
 
             result["lookup"] += asyncio.run(lookup_rows(args, "redis", make_redis))
             hasher = PromptHasher(MODEL, [BLOCK_SIZE])
