@@ -123,3 +123,21 @@ def test_memoised_prompt_hashes_equal_hashing_the_whole_prompt() -> None:
         for prompt in prompts * 2:  # the second pass is served from the memo
             expected = hash_token_ids(prompt.token_array(), block_size, root_hash(HashMode.TOKENS, "m"))
             assert hasher(prompt, block_size) == expected
+
+
+def test_seed_case_report_shape_and_bound(tmp_path: Any) -> None:
+    from bench import seed_case
+
+    small = seed_case.SeedWorkload(
+        prompt_tokens=8192, output_tokens=64, concurrency_per_server=2, requests_per_client=3
+    )
+    report = seed_case.run(load_catalog(), seed_case.FITTED, small)
+    simulated = report["simulated"]
+    assert set(report["published"]) == {"mi300x_alone", "mi308x_alone", "load_balanced", "disaggregated"}
+    assert {"mi300x_alone", "mi308x_alone", "load_balanced", "disaggregated", "upper_bound"} <= set(simulated)
+    cluster = ("load_balanced", "disaggregated", "load_balanced_least_load")
+    assert all(0 < simulated[k] <= simulated["upper_bound"] for k in cluster)
+    assert simulated["mi300x_alone"] > simulated["mi308x_alone"]
+    path = tmp_path / "seed.png"
+    seed_case.plot(report, str(path))
+    assert path.stat().st_size > 1000
