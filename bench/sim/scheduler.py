@@ -759,6 +759,7 @@ def build_cost_engine(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
     num_gpu_blocks: int | None = None,
+    kv_lease_s: float = 30.0,
     efficiency: Efficiency = DEFAULT_EFFICIENCY,
     engine: CostEngineConfig | None = None,
     sink: KVEventSink | None = None,
@@ -770,5 +771,6 @@ def build_cost_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks or max(1, timer.kv_capacity_blocks(block_size)),
+        kv_lease_s=kv_lease_s,
     )
     return CostModelEngine(SchedulerCore(config, timer, sink), engine)
