@@ -277,33 +277,26 @@ def stream_chunk(
     kind: Kind, response_id: str, created: int, model: str, text: str, finish_reason: str | None,
     first: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """One SSE chunk; a chat stream's first chunk carries the role and empty content."""
+    """One SSE chunk, with the fields vLLM sets explicitly (it serialises with exclude_unset);
+    a chat stream's first chunk carries the role and empty content."""
     if kind is Kind.COMPLETION:
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        choice["stop_reason"] = None
-        return {
-            "id": response_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-        }
-    delta = {"role": "assistant", "content": ""} if first else {"content": text}
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    if finish_reason is not None:
-        choice["stop_reason"] = None
-    return {
-        "id": response_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
+        choice.update(stop_reason=None, prompt_token_ids=None, token_ids=None)
+        obj = "text_completion"
+    else:
+        delta = {"role": "assistant", "content": ""} if first else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = None
+        choice["token_ids"] = None
+        obj = "chat.completion.chunk"
+    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
 def usage_chunk(
-    kind: Kind, response_id: str, created: int, model: str, usage_: dict[str, Any]
+    kind: Kind, response_id: str, created: int, model: str, usage_: dict[str, Any], fingerprint: str
 ) -> dict[str, Any]:
+    """The final `choices: []` chunk; vLLM serialises it with exclude_none, so null fields vanish."""
     obj = "text_completion" if kind is Kind.COMPLETION else "chat.completion.chunk"
     return {
         "id": response_id,
@@ -311,7 +304,16 @@ def usage_chunk(
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage_,
+        "usage": _without_nulls(usage_),
+        "system_fingerprint": fingerprint,
+    }
+
+
+def _without_nulls(value: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: _without_nulls(item) if isinstance(item, dict) else item
+        for key, item in value.items()
+        if item is not None
     }
 
 

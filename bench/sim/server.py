@@ -341,11 +341,16 @@ class SimServer:
                 chunk = protocol.stream_chunk(
                     parsed.kind, response_id, created, model, text, output.finish_reason
                 )
+                if output.finish_reason is not None and not parsed.include_usage:
+                    chunk["system_fingerprint"] = self._fingerprint  # vLLM stamps the terminal chunk
                 await writer.send(self._with_usage(chunk, parsed, prompt_len, completion_tokens, cached))
                 finish_reason = output.finish_reason or finish_reason
             if parsed.include_usage:
                 usage = protocol.usage(prompt_len, completion_tokens, cached)
-                await writer.send(protocol.usage_chunk(parsed.kind, response_id, created, model, usage))
+                final = protocol.usage_chunk(
+                    parsed.kind, response_id, created, model, usage, self._fingerprint
+                )
+                await writer.send(final)
             await writer.done()
         except (ConnectionResetError, _StreamCut):
             finish_reason = "abort"
