@@ -1,10 +1,14 @@
 """The simulated vLLM backend: vLLM 0.32's OpenAI-compatible HTTP protocol over a simulated engine.
 
-aiohttp.web rather than FastAPI: measured on this machine against a raw ASGI callable on uvicorn
-(the leanest FastAPI-family path), CPU per request was comparable (about 100 us at 16 connections
-for both), and aiohttp gives direct hold of the transport and the listening socket, which the fault
-injector needs (abort a stream mid-way, stop listening). TCP_NODELAY is set by aiohttp on every
-connection.
+aiohttp.web rather than FastAPI: measured on this machine (trivial JSON handler, server CPU per
+request) against a raw ASGI callable on uvicorn+httptools, the leanest FastAPI-family path: about
+100 us for both at 16 connections, 205 vs 139 us at one connection. aiohttp was kept because it
+gives direct hold of the transport and the listening socket, which the fault injector needs (abort
+a stream mid-way, stop listening). TCP_NODELAY is set by aiohttp on every connection.
+
+Beyond vLLM's endpoints, two simulator-only ones: `/sim/faults` (GET/POST/DELETE a fault plan, see
+bench/sim/faults.py) and `POST /sim/kv_pull` (a decoder's stand-in for the NIXL pull: the prefiller
+named by `remote_host`/`remote_port` in kv_transfer_params, which is this HTTP server, unpins the KV).
 
 Start one from tests:
     async with SimServer(SimServerConfig(model="m")) as sim: ...sim.url...      # in the test's loop
