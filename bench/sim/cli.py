@@ -1,7 +1,7 @@
 """`hetgate sim ...`: run one simulated vLLM backend. Flag names follow vLLM's where vLLM has the flag.
 
 Prints `SIM_READY http://HOST:PORT` on stdout once serving (SimProcess waits for that line), and,
-when KV events are on, `SIM_KV_EVENTS <endpoint>` just before it.
+when KV events are on, `SIM_KV_EVENTS <endpoint>` (and `SIM_KV_REPLAY <endpoint>`) before it.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
 def _announce(server: SimServer) -> None:
     if server.publisher is not None:
         print(f"SIM_KV_EVENTS {server.publisher.endpoint}", flush=True)
+        if server.publisher.replay_endpoint:
+            print(f"SIM_KV_REPLAY {server.publisher.replay_endpoint}", flush=True)
     print(f"{READY_PREFIX}{server.url}", flush=True)
 
 

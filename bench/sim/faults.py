@@ -19,7 +19,7 @@ same JSON; `DELETE /sim/faults` clears it; `GET /sim/faults` shows what is left)
   health_status       status of GET /health (null: 200)
   refuse_connections_s  stop listening (connections are refused) for this many seconds and drop the
                       open connections; the server listens again on the same port afterwards
-  paths               the request paths the request faults apply to (default: the two generation paths)
+  paths               which generation paths the request faults apply to (default: both)
 
 Faults on requests apply in arrival order; counts are consumed as requests arrive.
 """
