@@ -128,3 +128,15 @@ async def test_memory_set_capacity_shrinks_at_once(store_factory) -> None:
     await index.record(MODEL, BS, PROMPT, "a")
     index.set_capacity("a", 2)
     assert await index.match(MODEL, BS, PROMPT, ["a"]) == [2]
+
+
+async def test_long_prompts_across_many_blocks(index) -> None:
+    """Hundreds of blocks: prefixes that end in the middle, at a batch edge, or not at all."""
+    long_prompt = blocks(*range(1000, 1300))
+    await index.record(MODEL, BS, long_prompt, "all")
+    await index.record(MODEL, BS, long_prompt[:64], "edge")
+    await index.record(MODEL, BS, long_prompt[:130], "mid")
+    await index.record(MODEL, BS, long_prompt, "hole")
+    await index.remove(MODEL, BS, [long_prompt[200]], "hole")
+    counts = await index.match(MODEL, BS, long_prompt, ["mid", "all", "edge", "hole"])
+    assert counts == [130, 300, 64, 200]
