@@ -26,6 +26,7 @@ Faults on requests apply in arrival order; counts are consumed as requests arriv
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -95,10 +96,12 @@ class FaultInjector:
     """Holds the current plan and hands each arriving request its share of it."""
 
     def __init__(self, plan: FaultPlan | None = None) -> None:
-        self.plan = plan or FaultPlan()
+        self.plan = FaultPlan()
+        self.set_plan(plan or FaultPlan())
 
     def set_plan(self, plan: FaultPlan) -> None:
-        self.plan = plan
+        # A private copy: counts are consumed here, and one plan may configure several servers.
+        self.plan = copy.deepcopy(plan)
 
     def clear(self) -> None:
         self.plan = FaultPlan()

@@ -70,3 +70,11 @@ def test_stream_errors_are_counted() -> None:
     injector = FaultInjector(FaultPlan.from_dict({"stream_error_after_chunks": 1, "stream_error_count": 1}))
     assert injector.admit("/v1/completions") == RequestFaults(stream_error_after_chunks=1)
     assert injector.admit("/v1/completions") is NO_FAULTS
+
+
+def test_servers_sharing_a_plan_count_separately() -> None:
+    plan = FaultPlan.from_dict({"error_status": 503, "error_count": 1})
+    first, second = FaultInjector(plan), FaultInjector(plan)
+    assert first.admit("/v1/completions").error_status == 503
+    assert second.admit("/v1/completions").error_status == 503
+    assert plan.error_count == 1
