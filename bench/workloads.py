@@ -91,18 +91,24 @@ def _tokenizer(cls: type) -> object:
 def block_token_ids(block_id: int, block_tokens: int) -> np.ndarray:
     """The deterministic content of one block (same id, same tokens, in every process): a splitmix64
     hash of (block id, position), folded into the word ids."""
-    with np.errstate(over="ignore"):
-        x = np.uint64(block_id & _MASK64) * np.uint64(0x9E3779B97F4A7C15) + np.arange(
-            1, block_tokens + 1, dtype=np.uint64
-        ) * np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(30)
-        x *= np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(27)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(31)
+    x = _position_mix(block_tokens) + np.uint64((block_id * 0x9E3779B97F4A7C15) & _MASK64)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(31)
     ids = (x % np.uint64(NUM_WORD_IDS)).astype(np.int64) + FIRST_WORD_ID
     ids.flags.writeable = False
     return ids
+
+
+@functools.cache
+def _position_mix(block_tokens: int) -> np.ndarray:
+    # uint64 array arithmetic wraps silently (scalar arithmetic would warn), which splitmix relies on.
+    positions = np.arange(1, block_tokens + 1, dtype=np.uint64)
+    mix = positions * np.uint64(0xBF58476D1CE4E5B9)
+    mix.flags.writeable = False
+    return mix
 
 
 def traces_dir() -> Path:

@@ -180,10 +180,15 @@ class Simulation:
         return SchedulerCore(config, timer)
 
     def run(self, workload: Sequence[WorkloadRequest], concurrency: int | None = None) -> DesResult:
-        return _Run(self, workload, concurrency).execute()
+        """Replay `workload` (open loop at its arrival times, or closed loop with `concurrency` clients)."""
+        return self.replay(workload, concurrency).execute()
+
+    def replay(self, workload: Sequence[WorkloadRequest], concurrency: int | None = None) -> Replay:
+        """The replay before it runs (tests inspect its live state from inside a router)."""
+        return Replay(self, workload, concurrency)
 
 
-class _Run:
+class Replay:
     """One replay: the event heap and the bookkeeping between router decisions and engine steps."""
 
     def __init__(self, sim: Simulation, workload: Sequence[WorkloadRequest], concurrency: int | None) -> None:
@@ -320,14 +325,11 @@ class _Run:
         engines = self.sim.engines
         for k in self.dirty:
             e = engines[k]
-            stats = BackendStats(
-                in_flight=self.in_flight[k],
-                running=len(e.running),
-                waiting=len(e.waiting) + len(e.transferring),
-                kv_usage=1.0 - e.pool.num_free / e.config.num_gpu_blocks,
-            )
-            row = Candidates.build((self.sim.specs[k],), (stats,))
-            self.load[k], self.kv_usage[k] = row.load[0], row.kv_usage[0]
+            waiting = len(e.waiting) + len(e.transferring)
+            # Candidates.build's columns for BackendStats(in_flight, running, waiting, kv_usage), inlined
+            # (tested equal): the full build costs more than the rest of a decision.
+            self.load[k] = max(self.in_flight[k], len(e.running)) + waiting
+            self.kv_usage[k] = 1.0 - e.pool.num_free / e.config.num_gpu_blocks
         self.dirty.clear()
         cached = np.zeros(len(engines), dtype=np.int64)
         if self.sim.prefix_lookup:
@@ -346,6 +348,18 @@ class _Run:
             capacity=base.capacity.copy(),
             kv_usage=self.kv_usage.copy(),
             cached_tokens=cached,
+        )
+
+    def live_stats(self) -> tuple[BackendStats, ...]:
+        """Each engine's state as the registry would report it (what `_candidates` summarises)."""
+        return tuple(
+            BackendStats(
+                in_flight=self.in_flight[k],
+                running=len(e.running),
+                waiting=len(e.waiting) + len(e.transferring),
+                kv_usage=1.0 - e.pool.num_free / e.config.num_gpu_blocks,
+            )
+            for k, e in enumerate(self.sim.engines)
         )
 
     def _submit(self, engine: int, i: int, request: EngineRequest, t: float) -> None:

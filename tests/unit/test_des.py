@@ -141,3 +141,22 @@ def test_seed_case_report_shape_and_bound(tmp_path: Any) -> None:
     path = tmp_path / "seed.png"
     seed_case.plot(report, str(path))
     assert path.stat().st_size > 1000
+
+
+def test_candidates_match_a_registry_build_of_the_live_stats() -> None:
+    checked = []
+
+    class Checker(Spy):
+        def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
+            built = Candidates.build(candidates.specs, replay.live_stats(), candidates.cached_tokens)
+            for column in ("healthy", "can_prefill", "can_decode", "load", "capacity", "kv_usage"):
+                np.testing.assert_array_equal(getattr(candidates, column), getattr(built, column))
+            checked.append(built.load.sum())
+            return super().plan(request, candidates)
+
+    sim = Simulation(
+        MODEL, backends(BOTH, BOTH, frozenset({Role.DECODE})), Checker(build_router("least_load"))
+    )
+    replay = sim.replay(w.with_poisson_arrivals(w.fixed_lengths(60, 2000, 16), rate=40.0))
+    replay.execute()
+    assert len(checked) == 60 and max(checked) > 3
