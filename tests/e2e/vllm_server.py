@@ -242,6 +242,10 @@ class VllmServer:
             stop_process_group(self.process)
         self.process = None
 
+    def port_was_taken(self) -> bool:
+        """Our free port was grabbed by someone else between the probe and vLLM's bind."""
+        return "address already in use" in log_tail(self.log_path).lower()
+
     def restart(self, timeout_s: float = STARTUP_TIMEOUT_S) -> VllmServer:
         """Start again on the same port with the same spec (kv-events endpoints stay valid)."""
         self.stop()
@@ -342,7 +346,14 @@ def start_all(servers: Iterable[VllmServer], timeout_s: float = STARTUP_TIMEOUT_
         for server in servers:
             server.start()
         for server in servers:
-            server.wait_healthy(timeout_s)
+            try:
+                server.wait_healthy(timeout_s)
+            except ServerStartError:
+                if not server.port_was_taken():
+                    raise
+                server.stop()
+                server.port = 0
+                server.start().wait_healthy(timeout_s)
     except BaseException:
         for server in servers:
             server.stop()
