@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tpot-s", type=float, default=_SIMPLE.tpot_s, help="simple engine")
     add("--max-num-seqs", type=int, default=_SIMPLE.max_num_seqs)
     add("--max-num-queued-reqs", type=int, default=None, help="beyond this many waiting: 503")
+    add("--api-key", default=None, help="as vLLM's: /v1/* needs this bearer token")
     return parser
 
 
@@ -80,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
         cost_model=args.cost_model,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         max_num_queued_reqs=args.max_num_queued_reqs,
+        api_key=args.api_key,
         enable_force_include_usage=args.enable_force_include_usage,
         kv_events=args.kv_events_config or KVEventsConfig(),
         kv_transfer_config=args.kv_transfer_config,

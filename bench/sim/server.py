@@ -69,6 +69,7 @@ class SimServerConfig:
     cost_model: str | None = None  # cost engine: model name in configs/models.yaml (default: `model`)
     enable_prompt_tokens_details: bool = False
     max_num_queued_reqs: int | None = None  # waiting requests beyond this get 503 (vLLM SchedulerConfig)
+    api_key: str | None = None  # vLLM's --api-key: /v1/* needs `Authorization: Bearer <key>`
     enable_force_include_usage: bool = False
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kv_transfer_config: dict[str, Any] | None = None
@@ -236,6 +237,8 @@ class SimServer:
         app.router.add_route("*", "/sim/faults", self._sim_faults)
         app.router.add_post("/sim/kv_pull", self._sim_kv_pull)
         app.middlewares.append(_not_found_as_fastapi)
+        if self.config.api_key:
+            app.middlewares.append(_require_api_key(self.config.api_key))
         return app
 
     # ---- generation -------------------------------------------------------------------------------
@@ -622,6 +625,19 @@ async def _not_found_as_fastapi(request: web.Request, handler: Any) -> web.Strea
         return _json({"detail": "Not Found"}, 404)
     except web.HTTPMethodNotAllowed:
         return _json({"detail": "Method Not Allowed"}, 405)
+
+
+def _require_api_key(key: str) -> Any:
+    """vLLM's --api-key: every /v1 route needs the bearer token, else 401 {"error": "Unauthorized"}."""
+    expected = f"Bearer {key}"
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith("/v1") and request.headers.get("Authorization") != expected:
+            return _json({"error": "Unauthorized"}, 401)
+        return await handler(request)
+
+    return check
 
 
 # ---- launching ------------------------------------------------------------------------------------

@@ -283,3 +283,21 @@ def test_gateway_keys_are_checked(sim, gateway):
     assert httpx.get(f"{gw.url}/v1/models").status_code == 401
     assert httpx.get(f"{gw.url}/health").status_code == 200
     assert requests_seen(server) > 0
+
+
+def test_each_backend_gets_its_own_key_and_the_client_key_stays_here(sim, gateway, monkeypatch):
+    a, b = sim(api_key="sk-backend-a"), sim(api_key="sk-backend-b")
+    monkeypatch.setenv("HG_TEST_KEY_B", "sk-backend-b")
+    cfg = config(
+        [backend(a, "a", api_key="sk-backend-a"), backend(b, "b", api_key_env="HG_TEST_KEY_B")],
+        auth={"api_keys": ["sk-client"]},
+    )
+    gw = gateway(cfg)
+    for _ in range(4):  # both backends: each accepts only its own key, never the client's
+        r = post(gw, chat_body(), headers={"Authorization": "Bearer sk-client"})
+        assert r.status_code == 200
+    assert requests_seen(a) > 0 and requests_seen(b) > 0
+    direct = httpx.post(
+        f"{a.url}/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer sk-client"}
+    )
+    assert direct.status_code == 401  # so the gateway's 200s prove it did not forward the client key
