@@ -657,6 +657,8 @@ class CostModelEngine:
         return self.core.release_kv(request_id)
 
     async def generate(self, request: SimRequest) -> AsyncIterator[TokenOutput]:
+        if self._task is None or self._task.done():
+            raise RuntimeError("the cost engine is not running")
         rid = request.request_id
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._queues[rid] = queue
@@ -699,6 +701,15 @@ class CostModelEngine:
         return (asyncio.get_running_loop().time() - self._t0) * self.config.time_scale
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception:
+            # A broken core must not leave streams waiting forever: end each one, then fail loudly.
+            for queue in self._queues.values():
+                queue.put_nowait(TokenOutput(0, "abort"))
+            raise
+
+    async def _loop(self) -> None:
         while True:
             now = self._sim_now()
             out = self.core.step(now)

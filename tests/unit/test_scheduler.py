@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from bench.sim.engine_api import SimRequest
 from bench.sim.scheduler import (
     CostEngineConfig,
@@ -263,3 +265,23 @@ async def test_built_cost_engine_sizes_its_cache_from_the_cost_model() -> None:
     finally:
         await engine.stop()
     assert len(outputs) == 3 and engine.stats().generation_tokens == 3
+
+
+async def test_a_failing_core_ends_streams_with_abort_and_fails_loudly() -> None:
+    core = make_core()
+    engine = CostModelEngine(core, CostEngineConfig(time_scale=100.0))
+    real_step = core.step
+
+    def broken(now: float) -> Any:
+        if core.has_work():
+            raise RuntimeError("boom")
+        return real_step(now)
+
+    core.step = broken  # type: ignore[method-assign]
+    await engine.start()
+    outputs = [o async for o in engine.generate(SimRequest("r", prompt(1, 100), 3))]
+    assert [o.finish_reason for o in outputs] == ["abort"]
+    with pytest.raises(RuntimeError, match="boom"):
+        await engine.stop()
+    with pytest.raises(RuntimeError, match="not running"):
+        await anext(engine.generate(SimRequest("r2", prompt(1, 100), 3)))
