@@ -348,29 +348,28 @@ class SchedulerCore:
         if not batch:
             self._flush_events()
             return StepOutput(now, now, [], kv_pulled=pulled)
-        prefill_tokens = decode_batch = decode_context = 0
-        prefill_pairs = 0.0
-        for req, n in batch:
-            if n == 1 and req.computed >= req.prompt_len:
-                decode_batch += 1
-                decode_context += req.computed + 1
-            else:
-                prefill_tokens += n
-                prefill_pairs += n * req.computed + n * (n + 1) / 2  # causal pairs, as cost.causal_pairs
-        end = now + self.timer(prefill_tokens, prefill_pairs, decode_batch, decode_context)
-        events, tokens = self._advance_all(batch, end)
-        self._flush_events()
-        return StepOutput(now, end, events, prefill_tokens, decode_batch, pulled, tokens)
+        return self._run_batch(now, batch, pulled)
 
-    def _advance_all(self, batch: list[tuple[_Req, int]], end: float) -> tuple[list[RequestEvent], int]:
+    def _run_batch(self, now: float, batch: list[tuple[_Req, int]], pulled: list[str]) -> StepOutput:
+        """Time the batch and advance every request in it, in one pass (this loop is the simulator's
+        per-token cost)."""
+        prefill_tokens = decode_batch = decode_context = tokens = 0
+        prefill_pairs = 0.0
         events: list[RequestEvent] = []
         emit = events.append
+        held: list[_Req] = []
         left = False
-        tokens = 0
         every = self.config.emit_every_token
         bs = self.config.block_size
         for req, n in batch:
-            computed = req.computed = req.computed + n
+            before = req.computed
+            if n == 1 and before >= req.prompt_len:
+                decode_batch += 1
+                decode_context += before + 1
+            else:
+                prefill_tokens += n
+                prefill_pairs += n * before + n * (n + 1) / 2  # causal pairs, as cost.causal_pairs
+            computed = req.computed = before + n
             if req.hashed_blocks < req.num_hashes and computed // bs > req.hashed_blocks:
                 self._register_blocks(req)
             if computed < req.prompt_len + req.outputs:
@@ -379,7 +378,8 @@ class SchedulerCore:
             tokens += 1
             spec = req.spec
             if spec.prefill_only:
-                emit(self._hold(req, end))
+                emit(self._hold(req))
+                held.append(req)
                 left = True
             elif outputs >= spec.max_tokens:
                 self._finish(req)
@@ -387,10 +387,14 @@ class SchedulerCore:
                 emit(RequestEvent(spec.request_id, outputs == 1, "length", req.cached_tokens, outputs))
             elif every or outputs == 1:
                 emit(RequestEvent(spec.request_id, outputs == 1, None, req.cached_tokens, outputs))
+        end = now + self.timer(prefill_tokens, prefill_pairs, decode_batch, decode_context)
+        for req in held:
+            req.held_until = end + self.config.kv_lease_s
         self.counters.generation_tokens += tokens
         if left:
             self.running = [r for r in self.running if r.state == _RUNNING]
-        return events, tokens
+        self._flush_events()
+        return StepOutput(now, end, events, prefill_tokens, decode_batch, pulled, tokens)
 
     def _finish(self, req: _Req) -> None:
         self.requests.pop(req.spec.request_id, None)
@@ -485,9 +489,8 @@ class SchedulerCore:
         c.by_source["external_kv_transfer"] += remote_tokens
         c.by_source["local_compute"] += req.spec.prompt_len - hit_tokens - remote_tokens
 
-    def _hold(self, req: _Req, end: float) -> RequestEvent:
+    def _hold(self, req: _Req) -> RequestEvent:
         req.state = _HELD
-        req.held_until = end + self.config.kv_lease_s
         self.held[req.spec.request_id] = req
         return RequestEvent(req.spec.request_id, True, "length", req.cached_tokens, 1)
 
