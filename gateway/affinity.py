@@ -50,6 +50,7 @@ class Affinity:
             ids = [pool.backends[i].id for i in rows]
             counts = await self.index.match(request.model, block_size, block_hashes, ids)
             cached[rows] = np.asarray(counts, dtype=np.int64) * block_size
+        np.minimum(cached, tokens, out=cached)  # the last block may reach past the estimate
         features = RequestFeatures(request.model, tokens, request.max_tokens, request.stream, hashes)
         return features, cached
 
