@@ -3,8 +3,10 @@
 Target: 100k requests across 64 backends in under 60 s on one core. The workload is a busy chat cluster:
 Llama-3.1-8B on 64 single-H100 backends, 32 shared 1,024-token system prompts plus a unique 256-token
 user message, 32 output tokens, Poisson arrivals at 3,000 requests/s, routed by the real `least_load`
-router. Each repetition reports wall and CPU seconds; a baseline run of a tenth of the requests, measured
-in the same process, gives the per-request cost ratio (about 1.0 when the cost is linear in requests).
+router. Each repetition reports wall and CPU seconds (the target is judged on CPU time: the run is
+single-threaded, and on a shared machine wall time mostly measures the neighbours); a baseline run of a
+tenth of the requests, measured in the same process, gives the per-request cost ratio (about 1.0 when the
+cost is linear in requests).
 
     python -m bench.des_bench [--requests N] [--backends B] [--repeat R] [--json FILE] [--check]
 """
@@ -63,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="least_load")
     parser.add_argument("--rate", type=float, default=3000.0, help="arrivals per simulated second")
     parser.add_argument("--json", help="write all measurements to this file")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if the median exceeds {TARGET_S:.0f} s")
+    parser.add_argument(
+        "--check", action="store_true", help=f"exit 1 if the median cpu exceeds {TARGET_S:.0f} s"
+    )
     args = parser.parse_args(argv)
     baseline_n = max(1, args.requests // 10)
     runs, baselines = [], []
@@ -86,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         f"  per-request cpu {per_request * 1e6:.0f} us vs {per_request_baseline * 1e6:.0f} us at "
         f"{baseline_n} requests: ratio {per_request / per_request_baseline:.2f}"
     )
-    print(f"  target {TARGET_S:.0f} s: {'met' if wall < TARGET_S else 'MISSED'} (wall, median)")
+    # "On one core": the process's CPU time, which other processes on a shared machine do not inflate
+    # the way they inflate wall time.
+    print(f"  target {TARGET_S:.0f} s on one core: {'met' if cpu < TARGET_S else 'MISSED'} (cpu, median)")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "baselines": baselines}, indent=2) + "\n")
-    return 1 if args.check and wall >= TARGET_S else 0
+    return 1 if args.check and cpu >= TARGET_S else 0
 
 
 if __name__ == "__main__":
