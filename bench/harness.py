@@ -28,7 +28,7 @@ class GatewayProcess:
         self,
         config: dict[str, Any],
         workers: int = 1,
-        startup_timeout_s: float = 30.0,
+        startup_timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
         port: int | None = None,
     ) -> None:

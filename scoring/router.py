@@ -73,8 +73,11 @@ class SplitSettings:
 class PlanningRouter:
     """Implements the `Router` protocol on top of any `Ranker`."""
 
-    def __init__(self, ranker: Ranker, split: SplitSettings) -> None:
+    def __init__(self, ranker: Ranker, split: SplitSettings, prefill_ranker: Ranker | None = None) -> None:
         self.ranker = ranker
+        # Prefill backends are ranked by an instance of their own: a shared rotation would advance twice
+        # per split plan and, with two decode backends, always land on the same one.
+        self.prefill_ranker = prefill_ranker or ranker
         self.split = split
         self.name = ranker.name
 
@@ -102,15 +105,16 @@ class PlanningRouter:
             uncached = request.prompt_tokens - int(candidates.cached_tokens[decode])
             if uncached < self.split.pd_min_prompt_tokens:
                 return RoutePlan(mode=Mode.AGGREGATED, aggregated=aggregated, reason="short_prompt")
-        prefill = tuple(int(i) for i in self.ranker.rank(request, candidates, prefill_mask))
+        prefill = tuple(int(i) for i in self.prefill_ranker.rank(request, candidates, prefill_mask))
         decodes = tuple(i for i in aggregated if candidates.can_decode[i]) or aggregated
         return RoutePlan(mode=Mode.PD, aggregated=aggregated, prefill=prefill, decode=decodes, reason="split")
 
     def observe(self, outcome: Outcome) -> None:
         """Passes what a finished request measured to rankers that learn (the cost policy)."""
-        learn = getattr(self.ranker, "observe", None)
-        if learn is not None:
-            learn(outcome)
+        for ranker in {id(r): r for r in (self.ranker, self.prefill_ranker)}.values():
+            learn = getattr(ranker, "observe", None)
+            if learn is not None:
+                learn(outcome)
 
 
 def build_ranker(policy: str, **knobs: Any) -> Ranker:
@@ -136,4 +140,5 @@ def build_router(
     **knobs: Any,
 ) -> PlanningRouter:
     split = SplitSettings(Disaggregation(disaggregation), pd_min_prompt_tokens)
-    return PlanningRouter(build_ranker(policy, **knobs), split)
+    prefill_ranker = None if split.disaggregation is Disaggregation.NEVER else build_ranker(policy, **knobs)
+    return PlanningRouter(build_ranker(policy, **knobs), split, prefill_ranker)

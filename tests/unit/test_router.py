@@ -102,3 +102,10 @@ def test_aggregated_prefers_decode_role_over_prefill_only():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown routing policy"):
         build_router("random")
+
+
+def test_always_round_robin_spreads_decodes_over_every_decode_backend():
+    router = build_router("round_robin", "always")
+    cands = candidates([P, D, D])
+    decodes = {router.plan(request(), cands).decode[0] for _ in range(4)}
+    assert decodes == {1, 2}
