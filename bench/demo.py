@@ -28,10 +28,13 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.harness import GatewayProcess, free_port
+from bench.seed_case import FITTED
 from bench.sim.server import SimProcess
 from bench.workloads import fixed_lengths
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "seed-case.yaml"
+# The efficiency factors fitted once to the seed case's single-server figures (bench/seed_case.py).
+CALIBRATED = {"mfu": FITTED.mfu, "bw_util": FITTED.bw_util}
 console = Console(width=110)
 
 
@@ -42,7 +45,7 @@ def sim_args(backend: dict[str, Any], model: str, time_scale: float) -> list[str
         "--model", model, "--engine", "cost", "--accelerator", backend["accelerator"],
         "--gpus", str(backend.get("gpus", 1)), "--role", role, "--time-scale", str(time_scale),
         "--block-size", str(backend.get("block_size", 16)), "--enable-prompt-tokens-details",
-        "--max-model-len", "65536",
+        "--max-model-len", "65536", "--efficiency", json.dumps(CALIBRATED),
     ]  # fmt: skip
 
 

@@ -99,7 +99,15 @@ async def run_cells(targets: list[Target], args: argparse.Namespace) -> list[Cel
     return list(results.values())
 
 
-async def _measure(session, target, body, stream, concurrency, args, results) -> None:  # noqa: ANN001
+async def _measure(
+    session: aiohttp.ClientSession,
+    target: Target,
+    body: bytes,
+    stream: bool,
+    concurrency: int,
+    args: argparse.Namespace,
+    results: dict[tuple[str, str, bool, int], Cell],
+) -> None:
     url = f"{target.url}/v1/chat/completions"
     await drive(session, url, body, min(concurrency * 2, 64), concurrency)  # warm connections
     cpu_before = target.cpu() if target.cpu else 0.0

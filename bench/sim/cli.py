@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--block-size", type=int, default=16)
     add("--num-gpu-blocks-override", type=int, default=None)
     add("--cost-model", default=None, help="cost engine: model name in configs/models.yaml (default --model)")
+    add("--efficiency", type=json.loads, default=None, help='cost engine: JSON overrides, e.g. {"mfu": 0.17}')
     add("--enable-prompt-tokens-details", action="store_true")
     add("--enable-force-include-usage", action="store_true")
     add("--kv-events-config", type=KVEventsConfig.from_json, default=None, help="JSON, as vLLM's flag")
@@ -79,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks_override,
         cost_model=args.cost_model,
+        efficiency=args.efficiency,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         max_num_queued_reqs=args.max_num_queued_reqs,
         api_key=args.api_key,

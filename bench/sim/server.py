@@ -67,6 +67,9 @@ class SimServerConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None  # None: the engine's own (simple: 16384; cost: what fits the HBM)
     cost_model: str | None = None  # cost engine: model name in configs/models.yaml (default: `model`)
+    # Cost engine efficiency overrides (scoring/cost.py Efficiency fields, e.g. {"mfu": 0.17}); the seed
+    # case's fitted values come from bench/seed_case.py's FITTED.
+    efficiency: dict[str, float] | None = None
     enable_prompt_tokens_details: bool = False
     max_num_queued_reqs: int | None = None  # waiting requests beyond this get 503 (vLLM SchedulerConfig)
     api_key: str | None = None  # vLLM's --api-key: /v1/* needs `Authorization: Bearer <key>`
@@ -113,10 +116,10 @@ def build_engine(config: SimServerConfig, kv_events: KVEventSink | None) -> Engi
 
 
 def _build_cost_engine(config: SimServerConfig, kv_events: KVEventSink | None) -> Engine:
-    """The roofline engine (bench/sim/scheduler.py); imported only when asked for. Its KV lease is the
-    scheduler's default (30 s): build_cost_engine takes no lease argument."""
+    """The roofline engine (bench/sim/scheduler.py); imported only when asked for."""
     from bench.sim.scheduler import CostEngineConfig, build_cost_engine
     from scoring.catalog import load_catalog
+    from scoring.cost import DEFAULT_EFFICIENCY
 
     catalog = load_catalog()
     return build_cost_engine(
@@ -126,6 +129,8 @@ def _build_cost_engine(config: SimServerConfig, kv_events: KVEventSink | None) -
         block_size=config.block_size,
         max_num_seqs=(config.simple_engine or SimpleEngineConfig()).max_num_seqs,
         num_gpu_blocks=config.num_gpu_blocks,
+        kv_lease_s=config.kv_lease_s,
+        efficiency=dataclasses.replace(DEFAULT_EFFICIENCY, **(config.efficiency or {})),
         engine=CostEngineConfig(time_scale=config.time_scale, kv_host=config.host),
         sink=kv_events,
     )
