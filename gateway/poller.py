@@ -43,31 +43,27 @@ class Poller:
             await asyncio.sleep(interval_s)
 
     async def _probe_health(self, backend: BackendState) -> None:
-        try:
-            response = await self.client.get(
-                f"{backend.config.base_url}/health",
-                headers=_auth(backend),
-                timeout=self.registry.health_settings.timeout_s,
-            )
-            ok = response.status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok:
+        response = await self._get(backend, "/health")
+        if response is not None and response.status_code == 200:
             self.registry.record_success(backend)
         else:
             self.registry.record_failure(backend)
 
     async def _scrape_metrics(self, backend: BackendState) -> None:
+        # Health probing owns marking-down; on a failed scrape the last load stays (stale beats none).
+        response = await self._get(backend, "/metrics")
+        if response is not None and response.status_code == 200:
+            backend.load = parse_vllm_metrics(response.text)
+
+    async def _get(self, backend: BackendState, path: str) -> httpx.Response | None:
         try:
-            response = await self.client.get(
-                f"{backend.config.base_url}/metrics",
+            return await self.client.get(
+                backend.config.base_url + path,
                 headers=_auth(backend),
                 timeout=self.registry.health_settings.timeout_s,
             )
         except httpx.HTTPError:
-            return  # health probing owns marking-down; stale load is better than none
-        if response.status_code == 200:
-            backend.load = parse_vllm_metrics(response.text)
+            return None
 
 
 def _auth(backend: BackendState) -> dict[str, str]:
