@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_server import VllmServer
+from vllm_server import REPO_ROOT, VllmServer
 
 ROUTE_HEADER = "x-hetgate-route"
 BLOCK_SIZE = 128  # vLLM's CPU default; prefixes shorter than this never hit the cache
@@ -83,3 +87,23 @@ def gateway_config(
         "health": {"interval_s": 0.5, "timeout_s": 2.0, "failure_threshold": 1, "recovery_s": 30.0},
         "timeouts": {"connect_s": 2.0, "ttfb_s": 120.0, "idle_s": 60.0},
     }
+
+
+def run_conformance_suite(target: dict[str, Any], report: Path, *paths: str) -> subprocess.CompletedProcess:
+    """tests/conformance (or some of its files) in a child pytest aimed at ``target``.
+
+    The child keeps the suite's fixtures apart from ours; ``HETGATE_CONFORMANCE_TARGET`` is the
+    suite's documented way to point it at a live server. Its whole report is written to ``report``.
+    """
+    suite = [str(REPO_ROOT / "tests" / "conformance" / path) for path in paths or ("",)]
+    env = {**os.environ, "HETGATE_CONFORMANCE_TARGET": json.dumps(target)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", *suite, "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts="],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    report.write_text(result.stdout + result.stderr)
+    return result

@@ -6,24 +6,19 @@ its fixtures and ours apart; a failure here shows the child's report, i.e. where
 real vLLM disagree (a fix for the simulator, or for the suite's expectations).
 
 The P/D checks of the suite expect NIXL-style ``kv_transfer_params``; the e2e servers use
-ExampleConnector (no params), so no prefill/decode URLs are given and the suite skips those.
+ExampleConnector (no params), so no prefill/decode URLs are given and the suite skips those here;
+the opt-in test_pd_nixl.py runs them against NixlConnector servers.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from e2e_helpers import BLOCK_SIZE
-from vllm_server import REPO_ROOT, SERVED_MODEL_NAME, VllmServer
+from e2e_helpers import BLOCK_SIZE, run_conformance_suite
+from vllm_server import SERVED_MODEL_NAME, VllmServer
 
 pytestmark = pytest.mark.e2e
-
-SUITE = REPO_ROOT / "tests" / "conformance"
 
 
 def target_for(server: VllmServer) -> dict[str, object]:
@@ -43,18 +38,6 @@ def target_for(server: VllmServer) -> dict[str, object]:
 def test_conformance_suite_passes_against_real_vllm(
     aggregated_servers: list[VllmServer], e2e_logs: Path
 ) -> None:
-    server = aggregated_servers[0]
     report = e2e_logs / "conformance-real-vllm.txt"
-    env = {**os.environ, "HETGATE_CONFORMANCE_TARGET": json.dumps(target_for(server))}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", str(SUITE), "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts="],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    report.write_text(result.stdout + result.stderr)
-    assert result.returncode == 0, (
-        f"conformance suite failed on real vLLM ({report}):\n{result.stdout[-6000:]}"
-    )
+    result = run_conformance_suite(target_for(aggregated_servers[0]), report)
+    assert result.returncode == 0, f"suite failed on real vLLM ({report}):\n{result.stdout[-6000:]}"

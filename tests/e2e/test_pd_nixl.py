@@ -13,10 +13,20 @@ This is the connector that exercises hetgate's real P/D protocol: the prefill an
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import httpx
 import pytest
-from e2e_helpers import ROUTE_HEADER, backend_entry, code_prompt, gateway_config, metric_total, route_fields
+from e2e_helpers import (
+    BLOCK_SIZE,
+    ROUTE_HEADER,
+    backend_entry,
+    code_prompt,
+    gateway_config,
+    metric_total,
+    route_fields,
+    run_conformance_suite,
+)
 from vllm_server import KvTransfer, ServerSpec, VllmFleet, VllmServer, free_port
 
 pytestmark = [
@@ -72,3 +82,18 @@ def test_nixl_pd_through_hetgate(nixl_servers: list[VllmServer], start_gateway) 
     assert after - before >= 128
     reference = httpx.post(f"{prefill.base_url}/v1/completions", json=body, timeout=300).json()
     assert response.json()["choices"][0]["text"] == reference["choices"][0]["text"]
+
+
+def test_conformance_pd_checks_pass_against_nixl_vllm(nixl_servers: list[VllmServer], e2e_logs: Path) -> None:
+    prefill, decode = nixl_servers
+    target = {
+        "base_url": prefill.base_url,
+        "model": "tiny",
+        "block_size": BLOCK_SIZE,
+        "prefill_url": prefill.base_url,
+        "decode_url": decode.base_url,
+        "simulator": False,
+    }
+    report = e2e_logs / "conformance-pd-nixl.txt"
+    result = run_conformance_suite(target, report, "test_conformance_pd.py")
+    assert result.returncode == 0, f"P/D checks failed on real vLLM ({report}):\n{result.stdout[-6000:]}"
