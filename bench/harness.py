@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -59,8 +61,13 @@ class GatewayProcess:
         command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config_path)]
         command += ["--port", str(self.port), "--workers", str(self.workers)]
         with self.log_path.open("wb") as log:
+            # A session of its own: stop() ends the workers too, even if the supervisor is gone.
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,
             )
         self._wait_healthy()
         return self
@@ -90,12 +97,13 @@ class GatewayProcess:
     def stop(self) -> None:
         if self.process is None:
             return
-        self.process.terminate()
-        try:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # whatever of the group is left
+        self.process.wait()
         self.process = None
         self._dir.cleanup()
 
