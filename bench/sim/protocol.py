@@ -143,7 +143,12 @@ def _prompt_tokens(body: dict[str, Any], kind: Kind, tokenizer: SimTokenizer) ->
             raise _shape_error("messages", str(exc)) from exc
     prompt = body.get("prompt")
     if prompt is None:
-        raise _shape_error("prompt", "Field required")
+        # vLLM 0.32 checks this in its own code, not pydantic: BadRequestError with param "prompt" [observed].
+        raise RequestError(
+            400,
+            "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+            param="prompt",
+        )
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
