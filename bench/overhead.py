@@ -5,16 +5,22 @@ aggregated mode and one in P/D mode, and drives every target with the same close
 round by round so drift on a shared machine hits all targets alike. Reported per cell: latency p50/p99,
 what the gateway added over the direct baseline of the same round shape, requests/s, and the gateway's
 own CPU time per request (from /proc: the robust figure on a 2-core machine). `--target NAME=URL[@PID]`
-adds any OpenAI-compatible router to the same table (its CPU is read when its PID is given).
+adds any OpenAI-compatible router to the same table (its CPU is read when its PID is given). The
+`floor` target is the least the named stack (uvicorn + aiohttp, `bench/floor_proxy.py`) can do: a
+pass-through with no routing, checks or metrics, so what hetgate adds beyond it is hetgate's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +29,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench.harness import GatewayProcess, _children, _cpu_seconds
+from bench.harness import GatewayProcess, _children, _cpu_seconds, free_port
 from bench.sim.server import SimProcess
 
 MODEL = "bench-model"
@@ -195,6 +201,35 @@ def _backend(id_: str, url: str, roles: list[str]) -> dict:
     }
 
 
+class _FloorProcess:
+    def __init__(self, upstream: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "bench.floor_proxy", upstream, str(self.port)]
+        self.process = subprocess.Popen(command, start_new_session=True)
+
+    def cpu_seconds(self) -> float:
+        return _cpu_seconds(self.process.pid)
+
+
+@contextlib.contextmanager
+def _floor_proxy(upstream: str) -> Iterator[_FloorProcess]:
+    floor = _FloorProcess(upstream)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", floor.port), timeout=0.2),
+            ):
+                break
+            time.sleep(0.1)
+        yield floor
+    finally:
+        floor.process.terminate()
+        floor.process.wait(timeout=10)
+
+
 def _external_target(spec: str) -> Target:
     name, _, rest = spec.partition("=")
     url, _, pid = rest.partition("@")
@@ -220,6 +255,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     sim_args = ["--model", MODEL, *ZERO_TIMING]
     with (
+        contextlib.ExitStack() as stack,
         SimProcess([*sim_args, "--role", "both"]) as direct,
         SimProcess([*sim_args, "--role", "prefill"]) as prefill,
         SimProcess([*sim_args, "--role", "decode"]) as decode,
@@ -233,8 +269,10 @@ def main(argv: list[str]) -> int:
             )
         ) as pd,
     ):
+        floor = stack.enter_context(_floor_proxy(direct.url))
         targets = [
             Target("direct", direct.url, "direct"),
+            Target("floor", floor.url, "aggregated", floor.cpu_seconds),
             Target("hetgate", agg.url, "aggregated", agg.cpu_seconds),
             Target("hetgate", pd.url, "pd", pd.cpu_seconds),
             *(_external_target(spec) for spec in args.target),

@@ -9,7 +9,7 @@ that keeps streaming is healthy. Low-level errors are translated here, at one bo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -30,6 +30,42 @@ class LegFailed(Exception):
         self.retryable = retryable
         self.status = status
         self.body = body
+
+
+class IdleWatchdog:
+    """Calls `on_idle` when a read has waited more than `idle_s`.
+
+    One timer per stream, re-armed only when it fires: a deadline per chunk (asyncio.timeout) cost more
+    CPU than the rest of the relay. Time the consumer spends writing to a slow client does not count.
+    """
+
+    def __init__(self, idle_s: float, on_idle: Callable[[], object]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle_s = idle_s
+        self._on_idle = on_idle
+        self._since = self._loop.time()
+        self._active = False
+        self.fired = False
+        self._handle = self._loop.call_at(self._since + idle_s, self._check)
+
+    def reading(self) -> None:
+        self._since = self._loop.time()
+        self._active = True
+
+    def paused(self) -> None:
+        self._active = False
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self._active and now >= self._since + self._idle_s:
+            self.fired = True
+            self._on_idle()
+            return
+        due = self._since + self._idle_s if self._active else now + self._idle_s
+        self._handle = self._loop.call_at(due, self._check)
 
 
 @dataclass(slots=True)
@@ -83,18 +119,23 @@ class Upstream:
             raise
 
     async def chunks(self, leg: Leg) -> AsyncIterator[bytes]:
-        """Body chunks as they arrive, each within `idle_s` of the previous one."""
+        """Body chunks as they arrive; waiting more than `idle_s` for the next one ends the leg."""
         content = leg.response.content
-        while True:
-            try:
-                async with asyncio.timeout(self.timeouts.idle_s):
+        watchdog = IdleWatchdog(self.timeouts.idle_s, leg.response.close)
+        try:
+            while True:
+                watchdog.reading()
+                try:
                     chunk = await content.readany()
-            except (aiohttp.ClientError, TimeoutError):
-                leg.response.close()
-                raise LegFailed("payload", retryable=False) from None
-            if not chunk:
-                return
-            yield chunk
+                except aiohttp.ClientError:
+                    leg.response.close()
+                    raise LegFailed("timeout" if watchdog.fired else "payload", retryable=False) from None
+                watchdog.paused()
+                if not chunk:
+                    return
+                yield chunk
+        finally:
+            watchdog.cancel()
 
     @staticmethod
     async def _read_quietly(response: aiohttp.ClientResponse) -> bytes | None:
