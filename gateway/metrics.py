@@ -66,6 +66,12 @@ class GatewayMetrics:
             ["op", "reason"],
             registry=r,
         )
+        self.kv_events = Counter(
+            "hetgate:kv_events",
+            "KV-cache event batches and anomalies from backends",
+            ["backend", "what"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "hetgate:client_disconnects", "Requests cancelled by the client", ["model"], registry=r
         )

@@ -60,7 +60,7 @@ async def build_prefix_services(
     )
     hashers = {name: _hasher(pool) for name, pool in registry.pools.items()}
     subscribers = [
-        _subscriber(b, index, hashers[b.config.model])
+        _subscriber(b, index, hashers[b.config.model], metrics)
         for b in registry.backends.values()
         if b.config.kv_events
     ]
@@ -88,7 +88,9 @@ async def _warm_up(index: GuardedIndex, registry: Registry) -> None:
         log.warning("prefix index store not reachable at start-up: %s", type(error).__name__)
 
 
-def _subscriber(backend: BackendState, index: GuardedIndex, hasher: PromptHasher) -> KVEventSubscriber:
+def _subscriber(
+    backend: BackendState, index: GuardedIndex, hasher: PromptHasher, metrics: GatewayMetrics
+) -> KVEventSubscriber:
     events = backend.config.kv_events
     assert events is not None
     if hasher.tokenizer is None:
@@ -107,6 +109,7 @@ def _subscriber(backend: BackendState, index: GuardedIndex, hasher: PromptHasher
         topic=events.topic,
         replay_endpoints=events.replay_endpoint,
         host=backend.config.url.host or "127.0.0.1",
+        on_event=lambda what: metrics.kv_events.labels(backend.id, what).inc(),
     )
 
 
