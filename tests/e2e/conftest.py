@@ -36,6 +36,10 @@ from vllm_server import (
     free_port,
 )
 
+# NixlConnector on 2 CPU cores is functional but slow and flaky (docs/e2e.md): its test is opt-in and
+# outside CI, so it is not even collected unless asked for.
+collect_ignore = [] if os.environ.get("HETGATE_E2E_NIXL") == "1" else ["test_pd_nixl.py"]
+
 
 def _cpu_for(index: int) -> str:
     """Pin each server's worker to its own core when there are enough (VLLM_CPU_OMP_THREADS_BIND)."""
