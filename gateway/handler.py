@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from gateway.affinity import Affinity
-from gateway.errors import BodyTooLarge, GatewayError, ModelNotFound, NoBackend, Unauthorized
+from gateway.errors import BodyTooLarge, GatewayError, ModelNotFound, NoBackend, Unauthorized, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Exchange, Proxy
 from gateway.registry import ModelPool, Registry
@@ -137,7 +137,7 @@ class CompletionHandler:
             else:
                 await self.proxy.aggregated(ex, aggregated, send)
         except LegFailed:
-            await self._fail(ex, send, GatewayError("The backend response broke.", status=502))
+            await self._fail(ex, send, UpstreamFailed("The backend response broke."))
             return
         except GatewayError as error:
             await self._fail(ex, send, error)
