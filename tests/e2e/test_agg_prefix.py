@@ -120,3 +120,19 @@ def test_kv_events_point_hetgate_at_prefixes_cached_behind_its_back(
 
     assert routed == [server.spec.name for server in placement]
     assert hits >= sum(cached_blocks_tokens(first, prefix) for prefix in prefixes)
+
+    # /reset_prefix_cache on the first server: vLLM announces AllBlocksCleared at its next engine step,
+    # hetgate drops that backend's blocks, and keeps the second server's.
+    reset_prefix_cache(first.base_url)
+    complete(first.base_url, "# one step, so the engine publishes the clear\n")
+    cleared = {"backend": first.spec.name, "what": "cleared"}
+    deadline = time.monotonic() + 10
+    while (
+        metric_total(gateway.base_url, "hetgate:kv_events_total", **cleared) < 1
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    assert metric_total(gateway.base_url, "hetgate:kv_events_total", **cleared) >= 1
+    for prefix in prefixes[1:3]:
+        response = complete(gateway.base_url, f"{prefix}# after the reset\n")
+        assert route_fields(response.headers[ROUTE_HEADER])["backend"] == second.spec.name
