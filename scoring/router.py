@@ -52,7 +52,7 @@ class LeastLoad:
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
         rotated = _rotated(np.flatnonzero(mask), next(self._turn))
-        utilisation = candidates.load[rotated] / np.maximum(candidates.capacity[rotated], 1.0)
+        utilisation = (candidates.load / candidates.capacity)[rotated]  # capacity >= 1 (max_num_seqs)
         return rotated[np.argsort(utilisation, kind="stable")]
 
 
@@ -83,10 +83,9 @@ class PlanningRouter:
 
     def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
         healthy = candidates.healthy
-        serving = healthy & candidates.can_decode
-        if not serving.any():
-            serving = healthy
-        aggregated = tuple(int(i) for i in self.ranker.rank(request, candidates, serving))
+        aggregated = tuple(self.ranker.rank(request, candidates, healthy & candidates.can_decode).tolist())
+        if not aggregated:  # no healthy decode backend: any healthy one serves
+            aggregated = tuple(self.ranker.rank(request, candidates, healthy).tolist())
         if not aggregated:
             return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
         if self.split.disaggregation is Disaggregation.NEVER:
@@ -105,7 +104,7 @@ class PlanningRouter:
             uncached = request.prompt_tokens - int(candidates.cached_tokens[decode])
             if uncached < self.split.pd_min_prompt_tokens:
                 return RoutePlan(mode=Mode.AGGREGATED, aggregated=aggregated, reason="short_prompt")
-        prefill = tuple(int(i) for i in self.prefill_ranker.rank(request, candidates, prefill_mask))
+        prefill = tuple(self.prefill_ranker.rank(request, candidates, prefill_mask).tolist())
         decodes = tuple(i for i in aggregated if candidates.can_decode[i]) or aggregated
         return RoutePlan(mode=Mode.PD, aggregated=aggregated, prefill=prefill, decode=decodes, reason="split")
 
