@@ -14,6 +14,10 @@ For every candidate at once (numpy over backends):
   the roofline cannot know (kernels, quantisation, a noisy neighbour).
 
 Ties (equal predictions) keep the rotation order, so identical backends share the load.
+
+With `disaggregation: auto`, `split_pays` decides each split by the same prediction: prefill on the
+prefill backend plus the KV transfer (`kv_transfer_time` over the slower side's link) against prefill on
+the decode backend itself, its queue and cached prefix included.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import itertools
 import numpy as np
 
 from scoring.catalog import Catalog, ModelSpec, load_catalog
-from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, prefill_time
+from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time, prefill_time
 from scoring.types import BackendSpec, Candidates, Outcome, RequestFeatures
 
 
@@ -61,6 +65,16 @@ class CostRanker:
         k = next(self._turn) % eligible.size
         rotated = np.concatenate((eligible[k:], eligible[:k]))
         return rotated[np.argsort(self.predicted_ttft(request, candidates)[rotated], kind="stable")]
+
+    def split_pays(self, request: RequestFeatures, candidates: Candidates, prefill: int, decode: int) -> bool:
+        """True when prefill on `prefill` plus shipping the prompt's KV to `decode` is predicted to reach
+        the first token sooner than prefilling on `decode` itself (its queue and cache included)."""
+        ttft = self.predicted_ttft(request, candidates)
+        hw = self._hardware_of(candidates.specs)
+        transfer = kv_transfer_time(
+            self.model, hw.row(prefill), hw.row(decode), request.prompt_tokens, self.efficiency
+        )
+        return float(ttft[prefill] + transfer[0]) < float(ttft[decode])
 
     def observe(self, outcome: Outcome) -> None:
         spec = self._specs.get(outcome.backend_id)

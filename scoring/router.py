@@ -9,7 +9,9 @@ A plan is built in three steps, all pure and vectorised over the model's backend
    whole order is kept: entries after the first are the fallbacks the proxy tries on failure.
 3. **Split or not.** `never` serves aggregated. `always` splits whenever a prefill backend distinct from the
    chosen decode backend is healthy. `auto` splits when the prompt tokens the decode backend does not
-   already hold reach `pd_min_prompt_tokens` (below that, shipping KV costs more than recomputing it).
+   already hold reach `pd_min_prompt_tokens` (below that, shipping KV costs more than recomputing it);
+   with the `cost` policy it then splits only when prefill elsewhere plus the KV transfer is predicted
+   to reach the first token sooner than prefill on the decode backend itself.
    Decode is picked first (like llm-d), so a decode backend that holds the prefix keeps it.
 """
 
@@ -105,8 +107,19 @@ class PlanningRouter:
             if uncached < self.split.pd_min_prompt_tokens:
                 return RoutePlan(mode=Mode.AGGREGATED, aggregated=aggregated, reason="short_prompt")
         prefill = tuple(self.prefill_ranker.rank(request, candidates, prefill_mask).tolist())
+        if self.split.disaggregation is Disaggregation.AUTO and not self._split_pays(
+            request, candidates, prefill[0], decode
+        ):
+            return RoutePlan(mode=Mode.AGGREGATED, aggregated=aggregated, reason="split_costlier")
         decodes = tuple(i for i in aggregated if candidates.can_decode[i]) or aggregated
         return RoutePlan(mode=Mode.PD, aggregated=aggregated, prefill=prefill, decode=decodes, reason="split")
+
+    def _split_pays(
+        self, request: RequestFeatures, candidates: Candidates, prefill: int, decode: int
+    ) -> bool:
+        """Rankers that predict costs (`cost`) judge each split; the others split above the threshold."""
+        judge = getattr(self.prefill_ranker, "split_pays", None)
+        return judge is None or judge(request, candidates, prefill, decode)
 
     def observe(self, outcome: Outcome) -> None:
         """Passes what a finished request measured to rankers that learn (the cost policy)."""

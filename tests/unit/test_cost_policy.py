@@ -64,3 +64,26 @@ def test_unknown_backend_outcomes_are_ignored(deepseek):
     ranker = CostRanker(deepseek)
     ranker.observe(Outcome("ghost", Mode.AGGREGATED, 10, 0, 1, 1.0, 1.0))
     assert ranker.correction("ghost") == 1.0
+
+
+def split_cluster(loads=(0, 0), cached=(0, 0)) -> Candidates:
+    specs = (
+        BackendSpec("mi300x-0", "m", "mi300x", 8, frozenset({Role.PREFILL})),
+        BackendSpec("mi308x-0", "m", "mi308x", 8, frozenset({Role.DECODE})),
+    )
+    stats = tuple(BackendStats(in_flight=ld) for ld in loads)
+    return Candidates.build(specs, stats, np.array(cached, dtype=np.int64))
+
+
+@pytest.mark.parametrize(
+    ("loads", "cached", "mode", "reason"),
+    [
+        ((0, 0), (0, 0), Mode.PD, "split"),  # MI300X prefills 8k tokens far faster than the MI308X
+        ((0, 0), (0, 7900), Mode.AGGREGATED, "split_costlier"),  # the decode backend holds the prompt
+        ((60, 0), (0, 0), Mode.AGGREGATED, "split_costlier"),  # the prefill backend is buried
+    ],
+)
+def test_auto_splits_when_the_cost_model_says_it_pays(deepseek, loads, cached, mode, reason):
+    router = build_router("cost", "auto", pd_min_prompt_tokens=0, model=deepseek)
+    plan = router.plan(long_prompt(), split_cluster(loads, cached))
+    assert (plan.mode, plan.reason) == (mode, reason)
