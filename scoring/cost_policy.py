@@ -27,7 +27,14 @@ import itertools
 import numpy as np
 
 from scoring.catalog import Catalog, ModelSpec, load_catalog
-from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time, prefill_time
+from scoring.cost import (
+    DEFAULT_EFFICIENCY,
+    Efficiency,
+    Hardware,
+    decode_step_time,
+    kv_transfer_time,
+    prefill_time,
+)
 from scoring.types import BackendSpec, Candidates, Outcome, RequestFeatures
 
 
@@ -65,6 +72,21 @@ class CostRanker:
         k = next(self._turn) % eligible.size
         rotated = np.concatenate((eligible[k:], eligible[:k]))
         return rotated[np.argsort(self.predicted_ttft(request, candidates)[rotated], kind="stable")]
+
+    def rank_decode(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
+        """Backends by predicted time per output token once this request joins their batch (each sequence
+        taken to be about this request's length); bandwidth-rich backends win, load spreads the rest."""
+        eligible = np.flatnonzero(mask)
+        if eligible.size < 2:
+            return eligible
+        k = next(self._turn) % eligible.size
+        rotated = np.concatenate((eligible[k:], eligible[:k]))
+        batch = candidates.load + 1.0
+        context = batch * (request.prompt_tokens + request.max_tokens)
+        tpot = decode_step_time(
+            self.model, self._hardware_of(candidates.specs), batch, context, self.efficiency
+        )
+        return rotated[np.argsort(tpot[rotated], kind="stable")]
 
     def split_pays(self, request: RequestFeatures, candidates: Candidates, prefill: int, decode: int) -> bool:
         """True when prefill on `prefill` plus shipping the prompt's KV to `decode` is predicted to reach

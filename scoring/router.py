@@ -97,7 +97,8 @@ class PlanningRouter:
     def _maybe_split(
         self, request: RequestFeatures, candidates: Candidates, aggregated: tuple[int, ...]
     ) -> RoutePlan:
-        decode = aggregated[0]
+        decodes = self._decode_order(request, candidates, aggregated)
+        decode = decodes[0]
         prefill_mask = candidates.healthy & candidates.can_prefill
         prefill_mask[decode] = False
         if not prefill_mask.any():
@@ -111,8 +112,21 @@ class PlanningRouter:
             request, candidates, prefill[0], decode
         ):
             return RoutePlan(mode=Mode.AGGREGATED, aggregated=aggregated, reason="split_costlier")
-        decodes = tuple(i for i in aggregated if candidates.can_decode[i]) or aggregated
         return RoutePlan(mode=Mode.PD, aggregated=aggregated, prefill=prefill, decode=decodes, reason="split")
+
+    def _decode_order(
+        self, request: RequestFeatures, candidates: Candidates, aggregated: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """Decode backends best-first. A ranker that predicts decode costs (`cost`) orders them by time per
+        output token; ranking them by time to first token would make the decode pick the prefill pick too,
+        and no split could ever pay. Other rankers keep the aggregated order."""
+        rank_decode = getattr(self.ranker, "rank_decode", None)
+        if rank_decode is not None:
+            mask = candidates.healthy & candidates.can_decode
+            order = tuple(rank_decode(request, candidates, mask).tolist())
+        else:
+            order = tuple(i for i in aggregated if candidates.can_decode[i])
+        return order or aggregated
 
     def _split_pays(
         self, request: RequestFeatures, candidates: Candidates, prefill: int, decode: int

@@ -87,3 +87,17 @@ def test_auto_splits_when_the_cost_model_says_it_pays(deepseek, loads, cached, m
     router = build_router("cost", "auto", pd_min_prompt_tokens=0, model=deepseek)
     plan = router.plan(long_prompt(), split_cluster(loads, cached))
     assert (plan.mode, plan.reason) == (mode, reason)
+
+
+def test_auto_decodes_on_the_bandwidth_side_and_prefills_on_the_compute_side(deepseek):
+    specs = (
+        BackendSpec("mi300x-0", "m", "mi300x", 8, BOTH),
+        BackendSpec("mi308x-0", "m", "mi308x", 8, frozenset({Role.DECODE})),
+    )
+    candidates = Candidates.build(specs, (BackendStats(in_flight=3), BackendStats()), np.zeros(2, np.int64))
+    router = build_router("cost", "auto", pd_min_prompt_tokens=0, model=deepseek)
+    plan = router.plan(long_prompt(), candidates)
+    # Aggregated, the MI300X would still be the fastest first token even with 3 requests ahead of it ...
+    assert plan.aggregated[0] == 0
+    # ... but the split (prefill there, decode on the idle MI308X) reaches the first token sooner still.
+    assert (plan.mode, plan.prefill, plan.decode[0]) == (Mode.PD, (0,), 1)
