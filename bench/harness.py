@@ -33,6 +33,7 @@ class GatewayProcess:
         startup_timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
         port: int | None = None,
+        work_dir: Path | None = None,
     ) -> None:
         self.config = config
         self.workers = workers
@@ -41,9 +42,13 @@ class GatewayProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
-        self._dir = tempfile.TemporaryDirectory(prefix="hetgate-")
-        self.config_path = Path(self._dir.name) / "gateway.yaml"
-        self.log_path = Path(self._dir.name) / "gateway.log"
+        # The config and log live in `work_dir` when given (kept after stop, e.g. test logs), else in a
+        # temporary folder removed on stop.
+        self._dir = None if work_dir else tempfile.TemporaryDirectory(prefix="hetgate-")
+        folder = work_dir or Path(self._dir.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.config_path = folder / "gateway.yaml"
+        self.log_path = folder / "gateway.log"
 
     def __enter__(self) -> GatewayProcess:
         return self.start()
@@ -105,7 +110,8 @@ class GatewayProcess:
             os.killpg(self.process.pid, signal.SIGKILL)  # whatever of the group is left
         self.process.wait()
         self.process = None
-        self._dir.cleanup()
+        if self._dir is not None:
+            self._dir.cleanup()
 
 
 def _cpu_seconds(pid: int) -> float:

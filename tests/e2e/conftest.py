@@ -19,14 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from build_tiny_model import default_model_dir, is_complete
 from vllm_server import (
     SETUP_HINT,
-    GatewayProcess,
     KvEvents,
     KvTransfer,
     ServerSpec,
@@ -35,6 +33,8 @@ from vllm_server import (
     default_venv,
     free_port,
 )
+
+from bench.harness import GatewayProcess
 
 # NixlConnector on 2 CPU cores is functional but slow and flaky (docs/e2e.md): its test is opt-in and
 # outside CI, so it is not even collected unless asked for.
@@ -142,9 +142,7 @@ def start_gateway(e2e_logs: Path) -> Iterator[GatewayFactory]:
     started: list[GatewayProcess] = []
 
     def start(config: dict[str, Any], name: str) -> GatewayProcess:
-        config_path = e2e_logs / f"{name}.yaml"
-        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        gateway = GatewayProcess(config_path=config_path, log_dir=e2e_logs)
+        gateway = GatewayProcess(config, work_dir=e2e_logs / f"hetgate-{name}")
         started.append(gateway)
         return gateway.start()
 

@@ -8,7 +8,9 @@ import httpx
 import openai
 import pytest
 from e2e_helpers import ROUTE_HEADER, backend_entry, code_prompt, gateway_config, route_fields
-from vllm_server import GatewayProcess, VllmServer
+from vllm_server import VllmServer
+
+from bench.harness import GatewayProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +23,7 @@ def gateway(aggregated_servers: list[VllmServer], start_gateway) -> GatewayProce
 
 @pytest.fixture
 def client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
         yield client
 
 

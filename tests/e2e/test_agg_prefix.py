@@ -73,7 +73,7 @@ def test_prefix_policy_hits_vllms_cache_more_than_round_robin(
         config = gateway_config(backends, tokenizer=tiny_model, policy=policy)
         gateway = start_gateway(config, f"prefix-vs-{policy}")
         before = total_prefix_hits(aggregated_servers)
-        prefixes = send_shared_prefix_workload(gateway.base_url)
+        prefixes = send_shared_prefix_workload(gateway.url)
         hits[policy] = total_prefix_hits(aggregated_servers) - before
         gateway.stop()
         shareable[policy] = sum(cached_blocks_tokens(aggregated_servers[0], p) for p in prefixes)
@@ -114,7 +114,7 @@ def test_kv_events_point_hetgate_at_prefixes_cached_behind_its_back(
     before = total_prefix_hits(aggregated_servers)
     routed = []
     for prefix in prefixes:
-        response = complete(gateway.base_url, f"{prefix}# through hetgate\n")
+        response = complete(gateway.url, f"{prefix}# through hetgate\n")
         routed.append(route_fields(response.headers[ROUTE_HEADER])["backend"])
     hits = total_prefix_hits(aggregated_servers) - before
 
@@ -127,12 +127,9 @@ def test_kv_events_point_hetgate_at_prefixes_cached_behind_its_back(
     complete(first.base_url, "# one step, so the engine publishes the clear\n")
     cleared = {"backend": first.spec.name, "what": "cleared"}
     deadline = time.monotonic() + 10
-    while (
-        metric_total(gateway.base_url, "hetgate:kv_events_total", **cleared) < 1
-        and time.monotonic() < deadline
-    ):
+    while metric_total(gateway.url, "hetgate:kv_events_total", **cleared) < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert metric_total(gateway.base_url, "hetgate:kv_events_total", **cleared) >= 1
+    assert metric_total(gateway.url, "hetgate:kv_events_total", **cleared) >= 1
     for prefix in prefixes[1:3]:
-        response = complete(gateway.base_url, f"{prefix}# after the reset\n")
+        response = complete(gateway.url, f"{prefix}# after the reset\n")
         assert route_fields(response.headers[ROUTE_HEADER])["backend"] == second.spec.name

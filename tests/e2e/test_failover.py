@@ -20,7 +20,7 @@ def test_requests_succeed_after_a_backend_is_killed(
     victim, survivor = aggregated_servers
     backends = [backend_entry(server) for server in aggregated_servers]
     gateway = start_gateway(gateway_config(backends, policy="round_robin"), "failover")
-    with openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
         before = set()
         for _ in range(2):
             raw = client.completions.with_raw_response.create(model="tiny", prompt="x = 1", max_tokens=2)

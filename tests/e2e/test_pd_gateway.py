@@ -13,7 +13,9 @@ import httpx
 import openai
 import pytest
 from e2e_helpers import ROUTE_HEADER, backend_entry, code_prompt, gateway_config, metric_total, route_fields
-from vllm_server import GatewayProcess, VllmServer
+from vllm_server import VllmServer
+
+from bench.harness import GatewayProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +35,7 @@ def pd_gateway(pd_servers: list[VllmServer], start_gateway) -> GatewayProcess:
 
 @pytest.fixture
 def client(pd_gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{pd_gateway.base_url}/v1", api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=f"{pd_gateway.url}/v1", api_key="unused", max_retries=0) as client:
         yield client
 
 

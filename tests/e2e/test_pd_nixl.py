@@ -69,7 +69,7 @@ def test_nixl_pd_through_hetgate(nixl_servers: list[VllmServer], start_gateway) 
         decode.base_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
 
-    response = httpx.post(f"{gateway.base_url}/v1/completions", json=body, timeout=300)
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=300)
 
     assert response.status_code == 200, response.text
     route = route_fields(response.headers[ROUTE_HEADER])

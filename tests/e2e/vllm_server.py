@@ -17,7 +17,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -358,51 +357,3 @@ def start_all(servers: Iterable[VllmServer], timeout_s: float = STARTUP_TIMEOUT_
         for server in servers:
             server.stop()
         raise
-
-
-@dataclass
-class GatewayProcess:
-    """``hetgate serve --config FILE --port P`` as a subprocess (the installed CLI, or the module)."""
-
-    config_path: Path
-    log_dir: Path
-    port: int = 0
-    process: subprocess.Popen | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.log_dir / f"hetgate-{self.config_path.stem}.log"
-
-    def start(self, timeout_s: float = 60.0) -> GatewayProcess:
-        self.port = self.port or free_port()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        command = [
-            sys.executable,
-            "-c",
-            "import sys; from gateway.cli import main; sys.exit(main())",
-            "serve",
-            "--config",
-            str(self.config_path),
-            "--port",
-            str(self.port),
-        ]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                command,
-                cwd=REPO_ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        wait_for_health(self.process, f"{self.base_url}/health", self.log_path, "hetgate", timeout_s)
-        return self
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_process_group(self.process)
-        self.process = None
