@@ -10,8 +10,8 @@ COPY scoring ./scoring
 COPY kvindex ./kvindex
 COPY bench ./bench
 COPY configs ./configs
-# Editable install keeps configs/ (the accelerator and model catalogue) beside the code.
-RUN pip install --no-cache-dir -e . \
+# A regular install: the wheel carries configs/ (as the package hetgate_configs) and the traces.
+RUN pip install --no-cache-dir . \
     && useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin hetgate
 
 USER hetgate

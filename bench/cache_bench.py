@@ -1,6 +1,6 @@
 """`hetgate bench cache`: prefix-cache hit rate and TTFT per routing policy, on a real trace.
 
-Replays Mooncake's synthetic trace (`../shared/data/traces/mooncake_synthetic_trace.jsonl`, shared
+Replays Mooncake's synthetic trace (`bench/data/traces/mooncake_synthetic_trace.jsonl`, shared
 512-token blocks by `hash_ids`, real arrival times) through the discrete-event simulator
 (`bench/sim/des.py`), which runs the real `scoring` routers against simulated vLLM engines with their
 own prefix caches. For each policy it reports the engines' prefix hit rate (cached / prompt tokens),

