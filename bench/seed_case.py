@@ -20,6 +20,7 @@ load-balanced and disaggregated figures are then reported without further tuning
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", help="draw a bar chart (PNG) to this file")
     parser.add_argument("--refit", action="store_true", help="fit MFU and bandwidth utilisation again first")
     args = parser.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so before minutes of simulation
+        parser.error("--plot needs matplotlib: pip install 'hetgate[bench]'")
     catalog = load_catalog()
     efficiency = fit_efficiency(catalog) if args.refit else FITTED
     if args.refit:
