@@ -44,12 +44,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--speedup", type=float, default=1.0, help="compress arrival times N times")
     # Eight MI300X hold ~1.2M tokens of KV each: enough to keep the trace's reuse (on 4x H100 the
     # caches turn over faster than prompts come back, and no policy finds much to hit).
-    parser.add_argument("--backends", type=int, default=8)
-    parser.add_argument("--accelerator", default="mi300x")
-    parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    parser.add_argument("--index", choices=("precise", "approximate", "both"), default="both")
+    parser.add_argument("--backends", type=int, default=8, help="simulated engines (one server each)")
+    parser.add_argument("--accelerator", default="mi300x", help="of every engine (configs/accelerators.yaml)")
+    parser.add_argument("--model", default="llama-3.1-8b", help="model served (configs/models.yaml)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
+    parser.add_argument(
+        "--policies", nargs="+", default=list(POLICIES), choices=POLICIES, help="routing policies compared"
+    )
+    parser.add_argument(
+        "--index",
+        choices=("precise", "approximate", "both"),
+        default="both",
+        help="prefix policy's index: fed by KV events (precise), by its own decisions (approximate)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     return parser.parse_args(argv)
 

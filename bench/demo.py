@@ -157,7 +157,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000, help="gateway port (a free one if taken)")
     parser.add_argument("--time-scale", type=float, default=5.0, help="simulated seconds per wall second")
     parser.add_argument("--requests", type=int, default=0, help="send this many requests, summarise, exit")
-    parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument("--concurrency", type=int, default=12, help="concurrent clients with --requests")
     parser.add_argument("--long-share", type=float, default=0.75, help="share of 16k-token prompts")
     parser.add_argument("--policy", default=None, help="override routing.policy")
     parser.add_argument("--disaggregation", default=None, help="override routing.disaggregation")

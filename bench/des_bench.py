@@ -8,7 +8,7 @@ single-threaded, and on a shared machine wall time mostly measures the neighbour
 tenth of the requests, measured in the same process, gives the per-request cost ratio (about 1.0 when the
 cost is linear in requests).
 
-    python -m bench.des_bench [--requests N] [--backends B] [--repeat R] [--json FILE] [--check]
+    hetgate bench des [--requests N] [--backends B] [--repeat R] [--json FILE] [--check]
 """
 
 from __future__ import annotations
@@ -58,11 +58,11 @@ def measure(requests: int, backends: int, policy: str, rate: float) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.des_bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=100_000)
-    parser.add_argument("--backends", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--policy", default="least_load")
+    parser = argparse.ArgumentParser(prog="hetgate bench des", description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=100_000, help="requests per measured run")
+    parser.add_argument("--backends", type=int, default=64, help="simulated single-H100 backends")
+    parser.add_argument("--repeat", type=int, default=3, help="measured runs (median reported)")
+    parser.add_argument("--policy", default="least_load", help="routing policy (scoring.router.build_router)")
     parser.add_argument("--rate", type=float, default=3000.0, help="arrivals per simulated second")
     parser.add_argument("--json", help="write all measurements to this file")
     parser.add_argument(

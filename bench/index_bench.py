@@ -51,8 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hetgate bench index", description=__doc__)
     parser.add_argument("--repeats", type=int, default=5, help="rounds per figure (median reported)")
     parser.add_argument("--calls", type=int, default=20, help="calls timed per round")
-    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=list(PROMPT_TOKENS))
-    parser.add_argument("--backends", type=int, nargs="+", default=list(BACKENDS))
+    parser.add_argument(
+        "--prompt-tokens", type=int, nargs="+", default=list(PROMPT_TOKENS), help="prompt lengths measured"
+    )
+    parser.add_argument(
+        "--backends", type=int, nargs="+", default=list(BACKENDS), help="backend counts measured"
+    )
     parser.add_argument("--memory-blocks", type=int, default=200_000, help="fill for the memory figure")
     parser.add_argument("--no-redis", action="store_true", help="memory store only")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

@@ -242,10 +242,12 @@ def _external_target(spec: str) -> Target:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hetgate bench overhead", description=__doc__)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 32, 128], help="concurrent clients per cell"
+    )
     parser.add_argument("--requests", type=int, default=400, help="requests per cell and round")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
     parser.add_argument("--target", action="append", default=[], help="NAME=URL[@PID] of another router")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     return parser.parse_args(argv)

@@ -7,38 +7,43 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.config import Checks, ConfigError, GatewayConfig, load_config
 
-# `hetgate bench NAME ...` runs `main(argv)` of the module named here.
+if TYPE_CHECKING:
+    from gateway.app import HotPathApp
+
+# `hetgate bench NAME ...` runs `main(argv)` of the module named here; the line is its `--help` summary.
 BENCHMARKS = {
-    "overhead": "bench.overhead",
-    "seed-case": "bench.seed_case",
-    "index": "bench.index_bench",
-    "cache": "bench.cache_bench",
-    "des": "bench.des_bench",
+    "overhead": ("bench.overhead", "latency and CPU the gateway adds per request vs the backend direct"),
+    "seed-case": ("bench.seed_case", "the seed case (DeepSeek-R1, MI300X + 2x MI308X) vs published figures"),
+    "index": ("bench.index_bench", "what the prefix index (memory, Redis) costs on the request path"),
+    "cache": ("bench.cache_bench", "prefix-cache hit rate and TTFT per routing policy on the Mooncake trace"),
+    "des": ("bench.des_bench", "speed of the discrete-event simulator (requests simulated per CPU second)"),
 }
 
 CONFIG_ENV = "HETGATE_CONFIG"
 
 
-def known_accelerators() -> set[str] | None:
-    """Accelerator names from configs/accelerators.yaml; None when the catalogue cannot be read."""
-    try:
-        from scoring.catalog import load_catalog
-    except ImportError:
-        return None
-    return set(load_catalog().accelerators)
+def catalogue_checks(load_tokenizers: bool = True) -> Checks:
+    """Everything `serve` needs beyond the file: the catalogue's names, and (by default) the tokenizers."""
+    from scoring.catalog import load_catalog
+
+    catalog = load_catalog()
+    return Checks(frozenset(catalog.accelerators), frozenset(catalog.models), load_tokenizers)
 
 
-def read_config(path: str) -> GatewayConfig:
-    return load_config(path, known_accelerators())
+def read_config(path: str, load_tokenizers: bool = True) -> GatewayConfig:
+    return load_config(path, catalogue_checks(load_tokenizers))
 
 
-def app_from_env():
+def app_from_env() -> HotPathApp:
     from gateway.app import create_asgi_app
 
-    return create_asgi_app(read_config(os.environ[CONFIG_ENV]))
+    # `serve` checked the file, tokenizers included, before starting the workers; each worker loads the
+    # tokenizers once more for itself (gateway/prefix.py), so they are not loaded twice here.
+    return create_asgi_app(read_config(os.environ[CONFIG_ENV], load_tokenizers=False))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -89,19 +94,54 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=int, default=None, help="listen port (default: the config's listen.port)"
     )
     serve.add_argument("--workers", type=int, default=1, help="gateway processes (share one Redis index)")
-    serve.add_argument("--log-level", default="warning")
+    serve.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's and the gateway's log level (default: warning)",
+    )
     serve.set_defaults(run=_serve)
 
-    check = commands.add_parser("check-config", help="validate a configuration file")
-    check.add_argument("file")
+    check = commands.add_parser(
+        "check-config",
+        help="validate a configuration file as serve does (catalogue names, tokenizers, URLs)",
+    )
+    check.add_argument("file", help="the YAML configuration to check")
     check.set_defaults(run=_check_config)
 
     commands.add_parser("sim", help="run a simulated vLLM backend (hetgate sim --help)", add_help=False)
     commands.add_parser(
         "demo", help="a simulated cluster behind the gateway (hetgate demo --help)", add_help=False
     )
-    commands.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)}", add_help=False)
+    commands.add_parser(
+        "bench", help=f"benchmarks: {', '.join(BENCHMARKS)} (hetgate bench --help)", add_help=False
+    )
     return parser
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    """Only for `hetgate bench --help` and usage errors: each benchmark parses its own flags."""
+    listing = "\n".join(f"  {name:<11}{summary}" for name, (_, summary) in BENCHMARKS.items())
+    return argparse.ArgumentParser(
+        prog="hetgate bench",
+        usage=f"hetgate bench {{{','.join(BENCHMARKS)}}} [options]",
+        description="Benchmarks; `hetgate bench NAME --help` lists a benchmark's options.",
+        epilog=f"benchmarks:\n{listing}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _bench(argv: list[str]) -> int:
+    if argv and argv[0] in BENCHMARKS:
+        return _delegate(BENCHMARKS[argv[0]][0], argv[1:])
+    parser = bench_parser()
+    if argv and argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    parser.print_usage(sys.stderr)
+    what = f"unknown benchmark {argv[0]!r}" if argv else "name a benchmark"
+    print(f"hetgate bench: error: {what} (hetgate bench --help lists them)", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,10 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "demo":
         return _delegate("bench.demo", argv[1:])
     if argv and argv[0] == "bench":
-        if len(argv) < 2 or argv[1] not in BENCHMARKS:
-            print(f"usage: hetgate bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
-            return 2
-        return _delegate(BENCHMARKS[argv[1]], argv[2:])
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

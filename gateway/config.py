@@ -1,18 +1,35 @@
 """The gateway's configuration (configs/*.yaml), validated with pydantic.
 
 Every error names the path of the bad value, e.g. `backends[2].accelerator: unknown accelerator 'mi300'`,
-so a typo in a 40-backend file is found at once. `configs/example.yaml` shows every key with its default.
+so a typo in a 40-backend file is found at once, and all of a file's errors are listed in one pass.
+`configs/example.yaml` shows every key with its default.
+
+What needs more than the file itself is checked only when the caller hands it over in `Checks`: the
+catalogue's names (accelerators, model specs) and whether tokenizers load. `hetgate check-config` and
+`hetgate serve` give both, so a file that passes `check-config` starts.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from scoring.types import Disaggregation, Role
 
@@ -22,6 +39,25 @@ Policy = Literal["round_robin", "least_load", "prefix", "cost"]
 
 class ConfigError(ValueError):
     """A configuration file that cannot be used; the message lists every bad path."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    """What validation may consult beyond the file (handed to pydantic as its validation context)."""
+
+    accelerators: frozenset[str] | None = None  # configs/accelerators.yaml's names; None: not checked
+    model_specs: frozenset[str] | None = None  # configs/models.yaml's names; None: not checked
+    load_tokenizers: bool = False  # load each models[].tokenizer as `serve` does
+
+
+def _checks(info: ValidationInfo) -> Checks:
+    return info.context if isinstance(info.context, Checks) else Checks()
+
+
+# ZeroMQ endpoints as vLLM's --kv-events-config takes them: tcp://HOST:PORT (HOST may be `*` or an
+# [IPv6] literal), ipc://PATH, inproc://NAME.
+_ZMQ_ENDPOINT = re.compile(r"^(tcp://(\*|\[[0-9A-Fa-f:.]+\]|[^\s:/*\[\]]+):\d{1,5}|ipc://\S+|inproc://\S+)$")
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
 class _Strict(BaseModel):
@@ -39,6 +75,23 @@ class ModelConfig(_Strict):
     tokenizer: Path | None = None
     served_name: str | None = None
 
+    @field_validator("spec")
+    @classmethod
+    def _known_spec(cls, spec: str | None, info: ValidationInfo) -> str | None:
+        known = _checks(info).model_specs
+        if spec is not None and known is not None and spec not in known:
+            raise ValueError(f"unknown model spec {spec!r} (not in configs/models.yaml)")
+        return spec
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_loads(cls, path: Path | None, info: ValidationInfo) -> Path | None:
+        if path is not None and _checks(info).load_tokenizers:
+            from kvindex.tokenizer import ChatTokenizer  # imported here: only `serve`/`check-config` load
+
+            ChatTokenizer.load(path)  # TokenizerError is a ValueError naming the file
+        return path
+
     @property
     def upstream_name(self) -> str:
         return self.served_name or self.name
@@ -48,6 +101,13 @@ class KVEventsConfig(_Strict):
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None and not _ZMQ_ENDPOINT.match(endpoint):
+            raise ValueError(f"not a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH): {endpoint!r}")
+        return endpoint
 
 
 class BackendConfig(_Strict):
@@ -63,6 +123,14 @@ class BackendConfig(_Strict):
     block_size: Annotated[int, Field(ge=1)] = 16
     max_num_seqs: Annotated[int, Field(ge=1)] = 256
     kv_events: KVEventsConfig | None = None
+
+    @field_validator("accelerator")
+    @classmethod
+    def _known_accelerator(cls, accelerator: str, info: ValidationInfo) -> str:
+        known = _checks(info).accelerators
+        if known is not None and accelerator not in known:
+            raise ValueError(f"unknown accelerator {accelerator!r}")
+        return accelerator
 
     @field_validator("roles")
     @classmethod
@@ -103,6 +171,18 @@ class IndexConfig(_Strict):
     ttl_s: Annotated[float, Field(gt=0)] = 600
     deadline_ms: Annotated[float, Field(gt=0)] = 20
     tenant_salt_header: str | None = None
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in _REDIS_SCHEMES:
+            raise ValueError(f"a Redis URL starts with {', '.join(s + '://' for s in _REDIS_SCHEMES)}")
+        try:
+            parts.port  # noqa: B018 -- raises on a port that is not a number in range
+        except ValueError as error:
+            raise ValueError(f"bad port in the Redis URL: {error}") from None
+        return url
 
 
 class Timeouts(_Strict):
@@ -184,33 +264,33 @@ def _path(loc: tuple[int | str, ...]) -> str:
 
 
 def _format(error: ValidationError) -> str:
+    items = [(_loc(item["loc"]), item) for item in error.errors()]
+    failed = [loc for loc, _ in items]
     lines = []
-    for item in error.errors():
+    for loc, item in items:
+        # A list whose every entry failed is also "too short" once the failures are dropped: the entries'
+        # own errors already say what is wrong.
+        if item["type"] == "too_short" and any(len(f) > len(loc) and f[: len(loc)] == loc for f in failed):
+            continue
         message = item["msg"].removeprefix("Value error, ")
-        path = _path(tuple(p for p in item["loc"] if not str(p).startswith("function-")))
+        path = _path(loc)
         lines.append(f"{path}: {message}" if path else message)
-    return "\n".join(lines)
+    return "\n".join(dict.fromkeys(lines))  # each error once
 
 
-def parse_config(data: Any, known_accelerators: Iterable[str] | None = None) -> GatewayConfig:
+def _loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    return tuple(p for p in loc if not str(p).startswith("function-"))
+
+
+def parse_config(data: Any, checks: Checks | None = None) -> GatewayConfig:
     """Validate a parsed YAML document; raises ConfigError naming every bad path."""
     try:
-        config = GatewayConfig.model_validate(data)
+        return GatewayConfig.model_validate(data, context=checks or Checks())
     except ValidationError as error:
         raise ConfigError(_format(error)) from None
-    if known_accelerators is not None:
-        known = set(known_accelerators)
-        bad = [
-            f"backends[{i}].accelerator: unknown accelerator {b.accelerator!r}"
-            for i, b in enumerate(config.backends)
-            if b.accelerator not in known
-        ]
-        if bad:
-            raise ConfigError("\n".join(bad))
-    return config
 
 
-def load_config(path: str | Path, known_accelerators: Iterable[str] | None = None) -> GatewayConfig:
+def load_config(path: str | Path, checks: Checks | None = None) -> GatewayConfig:
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as error:
@@ -219,4 +299,4 @@ def load_config(path: str | Path, known_accelerators: Iterable[str] | None = Non
         raise ConfigError(f"{path}: not valid YAML: {error}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    return parse_config(data, known_accelerators)
+    return parse_config(data, checks)

@@ -26,22 +26,27 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hetgate sim", description="Simulated vLLM 0.32 OpenAI-compatible backend"
     )
     add = parser.add_argument
-    add("--host", default="127.0.0.1")
+    add("--host", default="127.0.0.1", help="listen address")
     add("--port", type=int, default=8000, help="0 picks a free port (printed on the ready line)")
-    add("--model", default="sim-model")
-    add("--served-model-name", nargs="+", default=None)
+    add("--model", default="sim-model", help="model name (as vLLM's --model)")
+    add("--served-model-name", nargs="+", default=None, help="names clients may send (default --model)")
     add("--role", choices=ROLES, default=None, help="P/D role (default: from kv_role, else both)")
-    add("--engine", choices=("simple", "cost"), default="simple")
-    add("--accelerator", default="mi300x")
-    add("--gpus", type=int, default=8)
+    add(
+        "--engine",
+        choices=("simple", "cost"),
+        default="simple",
+        help="simple: fixed per-token times; cost: steps timed by the roofline cost model",
+    )
+    add("--accelerator", default="mi300x", help="cost engine: configs/accelerators.yaml entry")
+    add("--gpus", type=int, default=8, help="cost engine: devices the server spans")
     add("--time-scale", type=float, default=1.0, help="simulated seconds per wall second")
-    add("--max-model-len", type=int, default=8192)
-    add("--block-size", type=int, default=16)
-    add("--num-gpu-blocks-override", type=int, default=None)
+    add("--max-model-len", type=int, default=8192, help="as vLLM's: longest prompt + output")
+    add("--block-size", type=int, default=16, help="as vLLM's: KV-cache block size in tokens")
+    add("--num-gpu-blocks-override", type=int, default=None, help="as vLLM's: KV-cache size in blocks")
     add("--cost-model", default=None, help="cost engine: model name in configs/models.yaml (default --model)")
     add("--efficiency", type=json.loads, default=None, help='cost engine: JSON overrides, e.g. {"mfu": 0.17}')
-    add("--enable-prompt-tokens-details", action="store_true")
-    add("--enable-force-include-usage", action="store_true")
+    add("--enable-prompt-tokens-details", action="store_true", help="as vLLM's: report cached tokens")
+    add("--enable-force-include-usage", action="store_true", help="as vLLM's: usage in every stream")
     add("--kv-events-config", type=KVEventsConfig.from_json, default=None, help="JSON, as vLLM's flag")
     add("--kv-transfer-config", type=json.loads, default=None, help="JSON, as vLLM's flag")
     add(
@@ -53,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ttft-base-s", type=float, default=_SIMPLE.ttft_base_s, help="simple engine")
     add("--prefill-token-s", type=float, default=_SIMPLE.prefill_token_s, help="simple engine")
     add("--tpot-s", type=float, default=_SIMPLE.tpot_s, help="simple engine")
-    add("--max-num-seqs", type=int, default=_SIMPLE.max_num_seqs)
+    add("--max-num-seqs", type=int, default=_SIMPLE.max_num_seqs, help="as vLLM's: running sequences")
     add("--max-num-queued-reqs", type=int, default=None, help="beyond this many waiting: 503")
     add("--api-key", default=None, help="as vLLM's: /v1/* needs this bearer token")
     return parser

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import known_accelerators, read_config
+from gateway.cli import catalogue_checks, read_config
 from gateway.config import ConfigError, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def test_example_config_is_valid():
 
 
 def test_defaults_fill_in():
-    config = parse_config(minimal(), known_accelerators())
+    config = parse_config(minimal(), catalogue_checks())
     assert config.routing.policy == "least_load"
     assert config.backends[0].roles == {"prefill", "decode"}
     assert config.backends[1].roles == {"decode"}
@@ -61,13 +61,21 @@ def test_defaults_fill_in():
         (lambda d: d.update(timeouts={"idle_s": -1}), "timeouts.idle_s"),
         (lambda d: d.update(surprise=1), "surprise"),
         (lambda d: d.update(models=[]), "models"),
+        (lambda d: d["models"][0].update(spec="llama-9"), "models[0].spec: unknown model spec 'llama-9'"),
+        (lambda d: d.update(routing={"policy": "cost"}), "models[0].spec: required by routing.policy 'cost'"),
+        (lambda d: d.update(index={"redis_url": "redis://h:port"}), "index.redis_url: bad port"),
+        (lambda d: d.update(index={"redis_url": "127.0.0.1:6379"}), "index.redis_url: a Redis URL starts"),
+        (
+            lambda d: d["backends"][0].update(kv_events={"endpoint": "tcp://*:1", "replay_endpoint": "x"}),
+            "backends[0].kv_events.replay_endpoint: not a ZeroMQ endpoint",
+        ),
     ],
 )
 def test_errors_name_the_path(mutate, message):
     data = minimal()
     mutate(data)
     with pytest.raises(ConfigError) as error:
-        parse_config(data, known_accelerators())
+        parse_config(data, catalogue_checks())
     assert message in str(error.value)
 
 
@@ -84,3 +92,21 @@ def test_unreadable_and_non_mapping_files(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         read_config(str(bad))
+
+
+def test_catalogue_names_are_checked_only_when_given():
+    data = minimal(models=[{"name": "m", "spec": "llama-9"}])
+    data["backends"][0]["accelerator"] = "mi300"
+    config = parse_config(data)  # a file on its own: the catalogue is not consulted
+    assert config.models[0].spec == "llama-9"
+    with pytest.raises(ConfigError) as error:
+        parse_config(data, catalogue_checks(load_tokenizers=False))
+    assert str(error.value).splitlines() == [
+        "models[0].spec: unknown model spec 'llama-9' (not in configs/models.yaml)",
+        "backends[0].accelerator: unknown accelerator 'mi300'",
+    ]
+
+
+def test_redis_urls_of_every_scheme_pass():
+    for url in ("redis://127.0.0.1:6379/0", "rediss://user:pw@redis.internal:6380", "unix:///run/redis.sock"):
+        assert parse_config(minimal(index={"store": "redis", "redis_url": url})).index.redis_url == url
