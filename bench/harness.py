@@ -45,7 +45,7 @@ class GatewayProcess:
         # The config and log live in `work_dir` when given (kept after stop, e.g. test logs), else in a
         # temporary folder removed on stop.
         self._dir = None if work_dir else tempfile.TemporaryDirectory(prefix="hetgate-")
-        folder = work_dir or Path(self._dir.name)
+        folder = work_dir or Path(self._dir.name if self._dir else "")
         folder.mkdir(parents=True, exist_ok=True)
         self.config_path = folder / "gateway.yaml"
         self.log_path = folder / "gateway.log"

@@ -29,6 +29,7 @@ import tracemalloc
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -125,12 +126,12 @@ def hashing_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             {
                 "prompt_tokens": tokens,
                 "blocks": tokens // BLOCK_SIZE,
-                "text_ms": time_sync(lambda c=chat: hasher.features(c, "chat"), args.repeats, args.calls),
+                "text_ms": time_sync(partial(hasher.features, chat, "chat"), args.repeats, args.calls),
                 "tokens_ms": time_sync(
-                    lambda b=ids: hasher.features(b, "completions"), args.repeats, args.calls
+                    partial(hasher.features, ids, "completions"), args.repeats, args.calls
                 ),
                 "blake2b_ms": time_sync(
-                    lambda p=packed: blake2b_chain(p, BLOCK_SIZE * 4), args.repeats, args.calls
+                    partial(blake2b_chain, packed, BLOCK_SIZE * 4), args.repeats, args.calls
                 ),
             }
         )
@@ -162,7 +163,7 @@ async def lookup_rows(
             counts = await store.match(MODEL, BLOCK_SIZE, hashes, ids)
             assert counts[7 % backends] == len(hashes), "the benchmark's fill is wrong"
             match_ms = await time_async(
-                lambda s=store, i=ids, h=hashes: s.match(MODEL, BLOCK_SIZE, h, i), args.repeats, args.calls
+                partial(store.match, MODEL, BLOCK_SIZE, hashes, ids), args.repeats, args.calls
             )
 
             async def hash_and_match(s=store, i=ids, b=body) -> None:

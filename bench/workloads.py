@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -40,6 +41,7 @@ NUM_WORD_IDS = 32000
 # Block ids of generated (non-trace) content live far above any trace hash id.
 _SYNTHETIC_BASE = 1 << 40
 _MASK64 = (1 << 64) - 1
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +87,7 @@ class WorkloadRequest:
 
 
 @functools.cache
-def _tokenizer(cls: type) -> object:
+def _tokenizer(cls: type[_T]) -> _T:
     return cls()
 
 

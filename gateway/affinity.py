@@ -19,7 +19,7 @@ from scoring.types import RequestFeatures
 
 if TYPE_CHECKING:
     from kvindex.base import PrefixIndex
-    from kvindex.hashing import PromptHasher
+    from kvindex.prompt import PromptHasher
 
 
 class Affinity:

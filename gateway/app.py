@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -75,6 +76,10 @@ def _models_body(config: GatewayConfig) -> bytes:
     return orjson.dumps({"object": "list", "data": data})
 
 
+def _in_flight(backend: BackendState) -> float:
+    return backend.in_flight
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     config: GatewayConfig = app.state.config
@@ -87,7 +92,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     registry = Registry(config, on_health_change)
     for backend in registry.backends.values():
         metrics.healthy.labels(backend.id).set(1)
-        metrics.in_flight.labels(backend.id).set_function(lambda b=backend: b.in_flight)
+        metrics.in_flight.labels(backend.id).set_function(functools.partial(_in_flight, backend))
     upstream = Upstream(config.timeouts)
     prefix: PrefixServices | None = await build_prefix_services(config, registry, metrics)
     handler = CompletionHandler(

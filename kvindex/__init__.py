@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
+from kvindex.base import PrefixIndex
 from kvindex.guard import FailureCallback, GuardedIndex, failure_counter
 from kvindex.memory import DEFAULT_CAPACITY_BLOCKS, MemoryIndex
 from kvindex.prompt import PromptHasher
@@ -39,16 +40,23 @@ def build_index(
 
     Creating the Redis client does not connect; the first call does, under the guard's deadline.
     """
-    sizes = {"capacity_blocks": capacity_blocks, "default_capacity_blocks": default_capacity_blocks}
+    inner: PrefixIndex
     if store == "redis":
         from kvindex.redis import RedisIndex
 
         socket_timeout_s = max(0.05, 2 * max(deadline_ms, write_deadline_ms) / 1000)
         inner = RedisIndex.from_url(
-            redis_url, socket_timeout_s=socket_timeout_s, key_prefix=key_prefix, ttl_s=ttl_s, **sizes
+            redis_url,
+            socket_timeout_s=socket_timeout_s,
+            key_prefix=key_prefix,
+            ttl_s=ttl_s,
+            capacity_blocks=capacity_blocks,
+            default_capacity_blocks=default_capacity_blocks,
         )
     elif store == "memory":
-        inner = MemoryIndex(ttl_s=ttl_s, **sizes)
+        inner = MemoryIndex(
+            ttl_s=ttl_s, capacity_blocks=capacity_blocks, default_capacity_blocks=default_capacity_blocks
+        )
     else:
         raise ValueError(f"index.store must be 'memory' or 'redis', not {store!r}")
     return GuardedIndex(

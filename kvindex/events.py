@@ -30,7 +30,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeGuard
 
 import msgpack
 import zmq
@@ -293,7 +293,7 @@ def _event_fields(raw: Any) -> tuple[str | None, Mapping[str, Any]]:
     return None, {}
 
 
-def _indexable_salt(ev: Mapping[str, Any]) -> str | bool | None:
+def _indexable_salt(ev: Mapping[str, Any]) -> str | Literal[False] | None:
     """The tenant salt to seed with (None: none), or False when requests could never hit this block."""
     if ev.get("lora_id") is not None or ev.get("lora_name") is not None:
         return False
@@ -325,7 +325,7 @@ def _key(engine_hash: Any) -> Any:
     return tuple(engine_hash) if isinstance(engine_hash, list) else engine_hash
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: Any) -> TypeGuard[int]:
     return type(value) is int and value > 0
 
 

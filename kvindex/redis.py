@@ -35,6 +35,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.typing import EncodableT
 
 from kvindex.memory import DEFAULT_CAPACITY_BLOCKS
 
@@ -318,7 +319,7 @@ class RedisIndex:
         if not hashes or not backend_ids:
             return [0] * len(backend_ids)
         space, blob = self._space(model, block_size), _pack(hashes)
-        args = [_now_ms(), self._ttl_ms, self._backend_key(""), space, blob, *backend_ids]
+        args: list[EncodableT] = [_now_ms(), self._ttl_ms, self._backend_key(""), space, blob, *backend_ids]
         reply = await self._match(keys=self._shared, args=args)
         return _validated_counts(reply, len(backend_ids), len(hashes))
 
@@ -326,12 +327,19 @@ class RedisIndex:
         if not hashes:
             return
         capacity = self._capacities.get(backend_id, self._default_capacity)
-        args = [backend_id, _now_ms(), self._ttl_ms, capacity, self._space(model, block_size), _pack(hashes)]
+        args: list[EncodableT] = [
+            backend_id,
+            _now_ms(),
+            self._ttl_ms,
+            capacity,
+            self._space(model, block_size),
+            _pack(hashes),
+        ]
         await self._record(keys=[*self._shared, self._backend_key(backend_id)], args=args)
 
     async def remove(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
         if hashes:
-            args = [backend_id, self._ttl_ms, self._space(model, block_size), _pack(hashes)]
+            args: list[EncodableT] = [backend_id, self._ttl_ms, self._space(model, block_size), _pack(hashes)]
             await self._remove(keys=[*self._shared, self._backend_key(backend_id)], args=args)
 
     async def clear_backend(self, backend_id: str) -> None:

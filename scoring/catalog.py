@@ -20,6 +20,7 @@ from scoring.config_dir import config_dir
 
 CONFIG_DIR = config_dir()
 _M = TypeVar("_M", bound=BaseModel)
+_V = TypeVar("_V")
 DTYPES = ("fp4", "fp8", "bf16")  # narrowest first: the fallback order when a peak is missing
 
 
@@ -114,7 +115,7 @@ class Accelerator:
     def tflops(self, dtype: str) -> float:
         """Peak for `dtype`, falling back to the next wider dtype the device does support."""
         for candidate in DTYPES[DTYPES.index(dtype) :]:
-            value = getattr(self, f"{candidate}_tflops")
+            value: float | None = getattr(self, f"{candidate}_tflops")
             if value is not None:
                 return value
         raise CatalogError(f"accelerator {self.name!r} has no peak for {dtype!r}")
@@ -181,7 +182,7 @@ class Catalog:
         return _lookup(self.models, name, "model")
 
 
-def _lookup(table: Mapping[str, Any], name: str, kind: str) -> Any:
+def _lookup(table: Mapping[str, _V], name: str, kind: str) -> _V:
     try:
         return table[name]
     except KeyError:

@@ -124,7 +124,7 @@ def step_time(
     decode_batch: ArrayLike,
     decode_context: ArrayLike,
     eff: Efficiency = DEFAULT_EFFICIENCY,
-) -> ArrayLike:
+) -> np.ndarray:
     """Seconds for one engine step mixing prefill chunks and decodes.
 
     `prefill_pairs` is the causal (query, key) pair count of the prefill chunks (`causal_pairs`);
@@ -151,7 +151,7 @@ def prefill_time(
     new_tokens: ArrayLike,
     cached_tokens: ArrayLike = 0,
     eff: Efficiency = DEFAULT_EFFICIENCY,
-) -> ArrayLike:
+) -> np.ndarray:
     """Seconds to prefill `new_tokens` after `cached_tokens` already in cache, alone, in one pass."""
     return step_time(model, hw, new_tokens, causal_pairs(new_tokens, cached_tokens), 0, 0, eff)
 
@@ -162,7 +162,7 @@ def decode_step_time(
     batch: ArrayLike,
     context_tokens: ArrayLike,
     eff: Efficiency = DEFAULT_EFFICIENCY,
-) -> ArrayLike:
+) -> np.ndarray:
     """Seconds for one decode step of `batch` sequences attending over `context_tokens` in total."""
     return step_time(model, hw, 0, 0, batch, context_tokens, eff)
 
@@ -174,7 +174,7 @@ def kv_transfer_time(
     tokens: ArrayLike,
     eff: Efficiency = DEFAULT_EFFICIENCY,
     same_server: bool = False,
-) -> ArrayLike:
+) -> np.ndarray:
     """Seconds to move `tokens` tokens of KV from `src` to `dst`, bounded by the slower side's links."""
     field = "scale_up_bw" if same_server else "scale_out_bw"
     per_copy = np.minimum(

@@ -102,7 +102,7 @@ class PrefixRouter:
         return np.concatenate([first, rest]), _reason(affine.any(), (cached > 0).any())
 
 
-def _reason(followed: bool, anything_cached: bool) -> str:
+def _reason(followed: bool | np.bool_, anything_cached: bool | np.bool_) -> str:
     if followed:
         return "prefix_hit"
     return "prefix_overloaded" if anything_cached else "no_prefix"

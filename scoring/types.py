@@ -7,6 +7,7 @@ gateway and the discrete-event simulator build the same `Candidates` and call th
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,7 +63,7 @@ class RequestFeatures:
     max_tokens: int
     stream: bool = False
     # Chained block hashes of the prompt, per block size used by this model's backends.
-    block_hashes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    block_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -27,5 +27,8 @@ fi
 say "ruff"
 python3 -m ruff check .
 
+say "mypy"
+python3 -m mypy
+
 say "pytest"
 python3 -m pytest -q -p no:cacheprovider "$@"

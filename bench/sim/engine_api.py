@@ -8,7 +8,7 @@ per-token delays, for functional tests) and the cost-model scheduler (`bench/sim
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,7 +59,7 @@ class EngineStats:
 
 
 class Engine(Protocol):
-    def generate(self, request: SimRequest) -> AsyncIterator[TokenOutput]:
+    def generate(self, request: SimRequest) -> AsyncGenerator[TokenOutput, None]:
         """Yield each token when the simulated clock produces it; raises nothing on client abort:
         the caller closes the iterator (aclose) and the engine frees the request."""
         ...

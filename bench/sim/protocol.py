@@ -245,7 +245,7 @@ def chat_body(
     response_id: str, created: int, model: str, text: str, finish_reason: str | None,
     usage_: dict[str, Any], kv_transfer_params: dict[str, Any] | None, fingerprint: str,
 ) -> dict[str, Any]:  # fmt: skip
-    message = {
+    message: dict[str, Any] = {
         "role": "assistant",
         "content": text,
         "refusal": None,

@@ -36,7 +36,7 @@ import contextlib
 import random
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -659,7 +659,7 @@ class CostModelEngine:
     def release_kv(self, request_id: str) -> bool:
         return self.core.release_kv(request_id)
 
-    async def generate(self, request: SimRequest) -> AsyncIterator[TokenOutput]:
+    async def generate(self, request: SimRequest) -> AsyncGenerator[TokenOutput, None]:
         if self._task is None or self._task.done():
             raise RuntimeError("the cost engine is not running")
         rid = request.request_id

@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import orjson
@@ -204,7 +204,9 @@ class SimServer:
         assert self._runner is not None
         self._site = web.TCPSite(self._runner, self.config.host, port, reuse_address=True)
         await self._site.start()
-        server = self._site._server  # the asyncio.Server: the only place the bound port is exposed
+        # The asyncio.Server (uvloop's under uvloop; typed as AbstractServer): the only place the bound port
+        # is exposed.
+        server = cast(asyncio.Server | None, self._site._server)
         assert server is not None and server.sockets
         self.port = server.sockets[0].getsockname()[1]
 
@@ -748,9 +750,10 @@ class SimProcess:
 
 
 def _read_ready_line(process: subprocess.Popen[str], timeout_s: float) -> str:
-    assert process.stdout is not None
+    stdout = process.stdout
+    assert stdout is not None
     result: list[str] = []
-    reader = threading.Thread(target=lambda: result.extend(_ready_urls(process.stdout)), daemon=True)
+    reader = threading.Thread(target=lambda: result.extend(_ready_urls(stdout)), daemon=True)
     reader.start()
     reader.join(timeout_s)
     if not result:

@@ -23,7 +23,7 @@ import time
 import uuid
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,7 +190,7 @@ class SimpleEngine:
         (An extension of the Engine protocol, called by the server's /sim/kv_pull endpoint.)"""
         return self._held.pop(request_id, None) is not None
 
-    async def generate(self, request: SimRequest) -> AsyncIterator[TokenOutput]:
+    async def generate(self, request: SimRequest) -> AsyncGenerator[TokenOutput, None]:
         assert self._slots is not None, "SimpleEngine.start() was not awaited"
         self._stats.num_requests_waiting += 1
         try:
