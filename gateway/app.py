@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -93,8 +94,27 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     for backend in registry.backends.values():
         metrics.healthy.labels(backend.id).set(1)
         metrics.in_flight.labels(backend.id).set_function(functools.partial(_in_flight, backend))
-    upstream = Upstream(config.timeouts)
-    prefix: PrefixServices | None = await build_prefix_services(config, registry, metrics)
+    async with contextlib.AsyncExitStack() as resources:  # closed in reverse, also when start-up fails
+        upstream = Upstream(config.timeouts)
+        resources.push_async_callback(upstream.close)
+        prefix = await build_prefix_services(config, registry, metrics)
+        if prefix:
+            resources.push_async_callback(prefix.close)
+        control_client = await resources.enter_async_context(httpx.AsyncClient())
+        app.state.gateway = _gateway_state(config, metrics, registry, upstream, prefix)
+        poller = Poller(registry, control_client)
+        poller.start()
+        resources.push_async_callback(poller.stop)
+        yield
+
+
+def _gateway_state(
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
+    registry: Registry,
+    upstream: Upstream,
+    prefix: PrefixServices | None,
+) -> GatewayState:
     handler = CompletionHandler(
         registry=registry,
         routers=build_routers(config),
@@ -106,17 +126,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         route_header=config.routing.route_header,
         needs_prompt_tokens=config.routing.disaggregation == "auto",
     )
-    app.state.gateway = GatewayState(config, metrics, registry, handler, _models_body(config))
-    async with httpx.AsyncClient() as control_client:
-        poller = Poller(registry, control_client)
-        poller.start()
-        try:
-            yield
-        finally:
-            await poller.stop()
-            if prefix:
-                await prefix.close()
-            await upstream.close()
+    return GatewayState(config, metrics, registry, handler, _models_body(config))
 
 
 def create_app(config: GatewayConfig) -> FastAPI:

@@ -131,11 +131,13 @@ class KVEventSubscriber:
             sock = self._context.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+            # Owned before binding: when the bind fails, stop() must still close it, or the context's
+            # term() waits for it forever (a start-up that hangs instead of failing).
+            self._sockets.append(sock)
             if sub_binds(source.endpoint):
                 sock.bind(source.endpoint)
             else:
                 sock.connect(connect_address(source.endpoint, self._host))
-            self._sockets.append(sock)
             self._tasks.append(asyncio.create_task(self._read(source, sock)))
 
     async def stop(self, forget: bool = False) -> None:
