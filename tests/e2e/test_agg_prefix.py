@@ -29,8 +29,20 @@ pytestmark = pytest.mark.e2e
 PREFIXES = 3
 REQUESTS_PER_PREFIX = 4
 PREFIX_LINES = 9
-# Time for hetgate's subscriber to receive and apply the KV events of a request sent around it.
-EVENT_SETTLE_S = 3.0
+# Longest wait for hetgate's subscriber to receive and apply the KV events of a request sent around it.
+EVENT_TIMEOUT_S = 30.0
+
+
+def kv_events(gateway_url: str, backend: str, what: str) -> float:
+    return metric_total(gateway_url, "hetgate:kv_events_total", backend=backend, what=what)
+
+
+def wait_for_kv_events(gateway_url: str, backend: str, what: str, above: float) -> None:
+    """Poll hetgate's own counter until it has applied more than `above` events of this kind."""
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while kv_events(gateway_url, backend, what) <= above:
+        assert time.monotonic() < deadline, f"no {what!r} KV event from {backend} reached hetgate"
+        time.sleep(0.05)
 
 
 def total_prefix_hits(servers: list[VllmServer]) -> float:
@@ -108,8 +120,9 @@ def test_kv_events_point_hetgate_at_prefixes_cached_behind_its_back(
     placement = [first, second, second, first]  # no load- or order-based policy guesses this
     prefixes = [code_prompt(PREFIX_LINES) for _ in placement]
     for prefix, server in zip(prefixes, placement, strict=True):
+        stored = kv_events(gateway.url, server.spec.name, "stored")
         complete(server.base_url, f"{prefix}# seed\n")
-    time.sleep(EVENT_SETTLE_S)
+        wait_for_kv_events(gateway.url, server.spec.name, "stored", above=stored)
 
     before = total_prefix_hits(aggregated_servers)
     routed = []
@@ -125,11 +138,7 @@ def test_kv_events_point_hetgate_at_prefixes_cached_behind_its_back(
     # hetgate drops that backend's blocks, and keeps the second server's.
     reset_prefix_cache(first.base_url)
     complete(first.base_url, "# one step, so the engine publishes the clear\n")
-    cleared = {"backend": first.spec.name, "what": "cleared"}
-    deadline = time.monotonic() + 10
-    while metric_total(gateway.url, "hetgate:kv_events_total", **cleared) < 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert metric_total(gateway.url, "hetgate:kv_events_total", **cleared) >= 1
+    wait_for_kv_events(gateway.url, first.spec.name, "cleared", above=0)
     for prefix in prefixes[1:3]:
         response = complete(gateway.url, f"{prefix}# after the reset\n")
         assert route_fields(response.headers[ROUTE_HEADER])["backend"] == second.spec.name
