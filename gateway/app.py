@@ -88,7 +88,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     for backend in registry.backends.values():
         metrics.healthy.labels(backend.id).set(1)
         metrics.in_flight.labels(backend.id).set_function(lambda b=backend: b.in_flight)
-    upstream = Upstream(config.timeouts)
+    upstream = Upstream(config.timeouts, config.limits.max_response_bytes)
     prefix: PrefixServices | None = await build_prefix_services(config, registry, metrics)
     handler = CompletionHandler(
         registry=registry,
@@ -100,6 +100,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         max_body_bytes=config.limits.max_body_bytes,
         route_header=config.routing.route_header,
         needs_prompt_tokens=config.routing.disaggregation == "auto",
+        reject_internal_fields=config.limits.internal_fields == "reject",
     )
     app.state.gateway = GatewayState(config, metrics, registry, handler, _models_body(config))
     async with httpx.AsyncClient() as control_client:
