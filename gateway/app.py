@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, install_error_handlers
 from gateway.handler import CompletionHandler
 from gateway.metrics import GatewayMetrics
 from gateway.poller import Poller
@@ -116,8 +116,19 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
-    app = FastAPI(title="hetgate", version="0.1.0", lifespan=_lifespan)
+    # The API docs are served only by an open gateway: with API keys configured they are off (404), so
+    # nothing about the deployment is public.
+    docs = not config.auth.keys()
+    app = FastAPI(
+        title="hetgate",
+        version="0.1.0",
+        lifespan=_lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.config = config
+    install_error_handlers(app)
     app.router.routes.append(Route("/v1/chat/completions", CompletionEndpoint(Kind.CHAT), methods=["POST"]))
     app.router.routes.append(Route("/v1/completions", CompletionEndpoint(Kind.COMPLETIONS), methods=["POST"]))
 
