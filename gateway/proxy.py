@@ -139,12 +139,16 @@ class Proxy:
         body = dict(ex.request.body)
         if done.kv_transfer_params is not None:
             body["kv_transfer_params"] = done.kv_transfer_params
+        unreachable: list[BackendState] = []
         try:
             leg = await self._open_first(
-                ex, decode, ex.request.kind.path, orjson.dumps(body), "decode", planned=planned
+                ex, decode, ex.request.kind.path, orjson.dumps(body), "decode", planned, unreachable
             )
         except GatewayError:
-            await self._fall_back(ex, [b for b in fallback if b not in decode], send, "decode_failed")
+            # A decode backend that answered (e.g. a 500 after a failed KV pull) may still serve the
+            # request aggregated; one that could not be reached is left out.
+            order = [b for b in fallback if b not in unreachable]
+            await self._fall_back(ex, order, send, "decode_failed")
             return
         ex.mode = "pd"
         ex.served = [done.backend, leg.backend]
@@ -204,11 +208,13 @@ class Proxy:
         body: bytes | Callable[[BackendState], bytes],
         leg_kind: str,
         planned: Reservation | None = None,
+        unreachable: list[BackendState] | None = None,
     ) -> Leg:
         """Open the leg on the first backend that answers; retries follow the rules in the module doc.
 
         A decode leg also moves on after a 5xx (the next decode backend gets the same transfer parameters);
-        `planned` is the reservation taken for the first backend when the request was planned.
+        `planned` is the reservation taken for the first backend when the request was planned; backends
+        that refused the connection are added to `unreachable` when given.
         """
         last: LegFailed | None = None
         answered = False  # a decode backend saw these transfer parameters (it may have consumed the KV)
@@ -233,6 +239,8 @@ class Proxy:
                 reservation.release()  # this attempt is over: the backend no longer carries it
                 self._note_failure(backend, failure)
                 answered = answered or (leg_kind == "decode" and failure.kind != "connect")
+                if unreachable is not None and failure.kind == "connect":
+                    unreachable.append(backend)
                 last = failure
                 if not failure.retryable:
                     break
