@@ -232,9 +232,8 @@ class Proxy:
                 reservation = self._reserve(ex, backend, leg_kind)
             try:
                 leg = await self.upstream.open(backend, path, data, ex.request_id)
-                if leg_kind == "decode" and leg.response.status >= 500:
-                    await self.upstream.discard(leg)
-                    raise LegFailed("status", retryable=True, status=leg.response.status)
+                if leg_kind == "decode":
+                    await self._check_decode(ex, leg)
             except LegFailed as failure:
                 reservation.release()  # this attempt is over: the backend no longer carries it
                 self._note_failure(backend, failure)
@@ -248,6 +247,18 @@ class Proxy:
             leg.reservation = reservation
             return leg
         raise _final_error(last)
+
+    async def _check_decode(self, ex: Exchange, leg: Leg) -> None:
+        """A decode leg that fails before the client saw a byte moves on to the next decode backend: a 5xx,
+        or (client not streaming) a reply that breaks while it is read."""
+        if leg.response.status >= 500:
+            await self.upstream.discard(leg)
+            raise LegFailed("status", retryable=True, status=leg.response.status)
+        if not ex.request.stream:
+            try:
+                leg.body = await self.upstream.read(leg)
+            except LegFailed as failure:
+                raise LegFailed(failure.kind, retryable=failure.kind == "payload") from None
 
     def _note_failure(self, backend: BackendState, failure: LegFailed) -> None:
         self.metrics.upstream_errors.labels(backend.id, failure.kind).inc()
@@ -273,7 +284,7 @@ class Proxy:
         if ex.request.stream and status == 200:
             await self._stream(ex, leg, send, headers, rewrite_cached)
             return
-        body = await self._read_tracked(leg)
+        body = leg.body if leg.body is not None else await self._read_tracked(leg)
         if status >= 500:
             self.registry.record_failure(leg.backend)
         else:

@@ -78,6 +78,7 @@ class Leg:
     backend: BackendState
     response: aiohttp.ClientResponse
     reservation: Reservation | None = None  # set by the proxy, which took it
+    body: bytes | None = None  # a non-streamed reply the proxy already read (P/D decode legs)
 
 
 class Upstream:

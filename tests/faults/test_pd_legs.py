@@ -4,9 +4,11 @@ prefill reply without transfer parameters is a named fallback, never a silent re
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 
-from tests.faults.raw_backend import RawBackend, chat_completion, json_reply
+from tests.faults.raw_backend import RawBackend, RawRequest, chat_completion, json_reply, response_head
 from tests.integration.conftest import MODEL, backend, chat_body, config, gateway, metric, sim  # noqa: F401
 
 HELD = "hetgate:kv_blocks_held_for_transfer"
@@ -144,3 +146,37 @@ def test_nixl_prefill_without_transfer_params_is_a_named_fallback(sim, gateway):
         assert prefiller.requests[0].json()["kv_transfer_params"]["do_remote_decode"] is True
     finally:
         prefiller.stop()
+
+
+def test_decode_reply_that_breaks_before_the_client_saw_it_is_retried(sim, gateway):  # noqa: F811
+    def broken(conn: socket.socket, _request: RawRequest) -> None:
+        conn.sendall(response_head(200, {"Content-Type": "application/json", "Content-Length": "5000"}))
+        conn.sendall(b'{"id": "chatcmpl-broken", "choi')
+        conn.shutdown(socket.SHUT_RDWR)
+
+    breaking = RawBackend(broken)
+    prefill, good = sim(role="prefill"), sim(role="decode")
+    try:
+        raw = {"url": breaking.url, "roles": ["decode"], "kv_connector": "nixl"}
+        gw = gateway(
+            pd_config(
+                [
+                    backend(prefill, "p", ("prefill",), kv_connector="nixl"),
+                    {**backend(good, "broken"), **raw},
+                    backend(good, "good", ("decode",), kv_connector="nixl"),
+                ]
+            )
+        )
+        for _ in range(3):
+            r = post(gw)
+            assert r.status_code == 200
+            assert r.headers["x-hetgate-route"] == "mode=pd; prefill=p; decode=good"
+            assert r.json()["usage"]["completion_tokens"] == 8
+        assert len(breaking.requests) >= 1
+        # The broken decode received the prefill's transfer parameters, the same ones `good` then used.
+        assert breaking.requests[0].json()["kv_transfer_params"]["remote_port"] == int(
+            prefill.url.rsplit(":", 1)[1]
+        )
+        assert metric(gw.url, "hetgate:upstream_errors_total", backend="broken", kind="payload") >= 1
+    finally:
+        breaking.stop()
