@@ -20,6 +20,7 @@ Rules (see `../shared/docs/reliability-anchors.md`):
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +49,9 @@ NIXL_PREFILL_PARAMS = {
     "remote_port": None,
 }
 _DROPPED_ON_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
-_DRAIN_BYTES = 64 * 1024  # read at most this much after [DONE] to keep the connection; else close it
+# After [DONE], read at most this much for this long to keep the connection; else close it.
+_DRAIN_BYTES = 64 * 1024
+_DRAIN_S = 1.0
 
 
 @dataclass(slots=True)
@@ -358,12 +361,13 @@ class Proxy:
             leg.reservation.release()
         drained = 0
         try:
-            async for chunk in chunks:
-                drained += len(chunk)
-                if drained > _DRAIN_BYTES:
-                    break
-        except LegFailed:
-            return
+            async with asyncio.timeout(_DRAIN_S):
+                async for chunk in chunks:
+                    drained += len(chunk)
+                    if drained > _DRAIN_BYTES:
+                        break
+        except (LegFailed, TimeoutError):
+            drained = _DRAIN_BYTES + 1
         finally:
             if drained > _DRAIN_BYTES:
                 leg.response.close()
