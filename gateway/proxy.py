@@ -359,6 +359,9 @@ class Proxy:
         a backend that keeps writing is cut off."""
         if leg.reservation is not None:
             leg.reservation.release()
+        if leg.response.content.at_eof():  # the usual case: the body's end came with [DONE]
+            await chunks.aclose()
+            return
         drained = 0
         try:
             async with asyncio.timeout(_DRAIN_S):
