@@ -253,15 +253,18 @@ class Proxy:
 
     async def _check_decode(self, ex: Exchange, leg: Leg) -> None:
         """A decode leg that fails before the client saw a byte moves on to the next decode backend: a 5xx,
-        or (client not streaming) a reply that breaks while it is read."""
+        a reply that breaks while it is read (client not streaming), a stream that ends or breaks before
+        its first byte."""
         if leg.response.status >= 500:
             await self.upstream.discard(leg)
             raise LegFailed("status", retryable=True, status=leg.response.status)
-        if not ex.request.stream:
-            try:
+        try:
+            if not ex.request.stream:
                 leg.body = await self.upstream.read(leg)
-            except LegFailed as failure:
-                raise LegFailed(failure.kind, retryable=failure.kind == "payload") from None
+            elif leg.response.status == 200 and not await self.upstream.first_bytes(leg):
+                raise LegFailed("payload", retryable=True)
+        except LegFailed as failure:
+            raise LegFailed(failure.kind, retryable=failure.kind == "payload") from None
 
     def _note_failure(self, backend: BackendState, failure: LegFailed) -> None:
         self.metrics.upstream_errors.labels(backend.id, failure.kind).inc()

@@ -79,6 +79,7 @@ class Leg:
     response: aiohttp.ClientResponse
     reservation: Reservation | None = None  # set by the proxy, which took it
     body: bytes | None = None  # a non-streamed reply the proxy already read (P/D decode legs)
+    head: bytes = b""  # the first bytes of a stream, read before the client saw any (P/D decode legs)
 
 
 class Upstream:
@@ -132,8 +133,23 @@ class Upstream:
             leg.response.close()  # the client left: abort the backend's work too
             raise
 
+    async def first_bytes(self, leg: Leg) -> bytes:
+        """The stream's first chunk (kept in `leg.head` for `chunks`); b"" when it ended without any."""
+        try:
+            async with asyncio.timeout(self.timeouts.idle_s):
+                leg.head = await leg.response.content.readany()
+        except aiohttp.ClientError:
+            leg.response.close()
+            raise LegFailed("payload", retryable=False) from None
+        except TimeoutError:
+            leg.response.close()
+            raise LegFailed("timeout", retryable=False) from None
+        return leg.head
+
     async def chunks(self, leg: Leg) -> AsyncGenerator[bytes, None]:
         """Body chunks as they arrive; waiting more than `idle_s` for the next one ends the leg."""
+        if leg.head:
+            yield leg.head
         content = leg.response.content
         watchdog = IdleWatchdog(self.timeouts.idle_s, leg.response.close)
         try:

@@ -180,3 +180,34 @@ def test_decode_reply_that_breaks_before_the_client_saw_it_is_retried(sim, gatew
         assert metric(gw.url, "hetgate:upstream_errors_total", backend="broken", kind="payload") >= 1
     finally:
         breaking.stop()
+
+
+def test_decode_stream_that_dies_before_its_first_byte_is_retried(sim, gateway):  # noqa: F811
+    def dies(conn: socket.socket, _request: RawRequest) -> None:
+        conn.sendall(
+            response_head(200, {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked"})
+        )
+        conn.shutdown(socket.SHUT_RDWR)
+
+    dying = RawBackend(dies)
+    prefill, good = sim(role="prefill"), sim(role="decode")
+    try:
+        raw = {"url": dying.url, "roles": ["decode"], "kv_connector": "nixl"}
+        gw = gateway(
+            pd_config(
+                [
+                    backend(prefill, "p", ("prefill",), kv_connector="nixl"),
+                    {**backend(good, "dying"), **raw},
+                    backend(good, "good", ("decode",), kv_connector="nixl"),
+                ]
+            )
+        )
+        for _ in range(3):
+            r = post(gw, stream=True)
+            assert r.status_code == 200
+            assert r.headers["x-hetgate-route"] == "mode=pd; prefill=p; decode=good"
+            assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
+        assert len(dying.requests) >= 1
+        assert metric(gw.url, "hetgate:upstream_errors_total", backend="dying", kind="payload") >= 1
+    finally:
+        dying.stop()
