@@ -144,6 +144,9 @@ class Upstream:
         except TimeoutError:
             leg.response.close()
             raise LegFailed("timeout", retryable=False) from None
+        except asyncio.CancelledError:
+            leg.response.close()  # the client left: abort the backend's work too
+            raise
         return leg.head
 
     async def chunks(self, leg: Leg) -> AsyncGenerator[bytes, None]:
@@ -179,6 +182,9 @@ class Upstream:
         except (aiohttp.ClientError, TimeoutError, LegFailed):
             response.close()
             return None
+        except asyncio.CancelledError:
+            response.close()
+            raise
 
 
 async def _read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
