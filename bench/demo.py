@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -175,8 +177,15 @@ def _port(wanted: int) -> int:
     return wanted
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C does, so the `with` blocks below stop the gateway and the simulators
+    (by default SIGTERM ends the process at once and they would be left running)."""
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(128 + signal.SIGTERM))
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    _exit_on_sigterm()
     config = yaml.safe_load(args.config.read_text())
     model = config["models"][0]["name"]
     if args.policy:

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, install_error_handlers
 from gateway.handler import CompletionHandler
 from gateway.metrics import GatewayMetrics
 from gateway.poller import Poller
@@ -95,7 +95,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.healthy.labels(backend.id).set(1)
         metrics.in_flight.labels(backend.id).set_function(functools.partial(_in_flight, backend))
     async with contextlib.AsyncExitStack() as resources:  # closed in reverse, also when start-up fails
-        upstream = Upstream(config.timeouts)
+        upstream = Upstream(config.timeouts, config.limits.max_response_bytes)
         resources.push_async_callback(upstream.close)
         prefix = await build_prefix_services(config, registry, metrics)
         if prefix:
@@ -125,13 +125,25 @@ def _gateway_state(
         max_body_bytes=config.limits.max_body_bytes,
         route_header=config.routing.route_header,
         needs_prompt_tokens=config.routing.disaggregation == "auto",
+        reject_internal_fields=config.limits.internal_fields == "reject",
     )
     return GatewayState(config, metrics, registry, handler, _models_body(config))
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
-    app = FastAPI(title="hetgate", version="0.1.0", lifespan=_lifespan)
+    # The API docs are served only by an open gateway: with API keys configured they are off (404), so
+    # nothing about the deployment is public.
+    docs = not config.auth.keys()
+    app = FastAPI(
+        title="hetgate",
+        version="0.1.0",
+        lifespan=_lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.config = config
+    install_error_handlers(app)
     app.router.routes.append(Route("/v1/chat/completions", CompletionEndpoint(Kind.CHAT), methods=["POST"]))
     app.router.routes.append(Route("/v1/completions", CompletionEndpoint(Kind.COMPLETIONS), methods=["POST"]))
 

@@ -194,6 +194,10 @@ class Timeouts(_Strict):
 class Limits(_Strict):
     max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
     max_attempts: Annotated[int, Field(ge=1, le=10)] = 3
+    # Fields only the gateway may set (kv_transfer_params): removed from client bodies, or refused with 400.
+    internal_fields: Literal["strip", "reject"] = "strip"
+    # A non-streamed backend reply larger than this is cut with a 502 instead of being buffered whole.
+    max_response_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
 
 
 class Health(_Strict):

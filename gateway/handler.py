@@ -5,6 +5,11 @@ two endpoints that carry traffic read the body and write the response on the ASG
 order: authorize, read the body under the size limit, check the fields we read (schemas.py), find the
 model's pool, look up cached prefixes (the one awaited index call), plan, and proxy. Every error before
 a backend is touched is an OpenAI-shaped JSON error.
+
+Nothing a client sends steers the infrastructure: fields only the gateway may set (`INTERNAL_FIELDS`) are
+removed from the body (or refused, `limits.internal_fields`), and no client header is forwarded (the
+upstream request carries only headers the gateway builds: content type, a checked X-Request-Id, the
+backend's own key). The request's backend reservations are released in one place, `_serve`'s `finally`.
 """
 
 from __future__ import annotations
@@ -21,10 +26,18 @@ from typing import Any
 import orjson
 
 from gateway.affinity import Affinity
-from gateway.errors import BodyTooLarge, GatewayError, ModelNotFound, NoBackend, Unauthorized, UpstreamFailed
+from gateway.errors import (
+    BadRequest,
+    BodyTooLarge,
+    GatewayError,
+    ModelNotFound,
+    NoBackend,
+    Unauthorized,
+    UpstreamFailed,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Exchange, Proxy
-from gateway.registry import ModelPool, Registry
+from gateway.registry import BackendState, ModelPool, Registry
 from gateway.schemas import Kind, ParsedRequest, estimate_prompt_tokens, parse_body
 from gateway.upstream import LegFailed
 from scoring.types import Mode, Outcome, RequestFeatures, Router
@@ -33,6 +46,13 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _SAFE_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
+# Body fields only the gateway may set: with real vLLM, kv_transfer_params tells a decode node which host
+# to pull KV from (a client could aim it at any host, or at another request's KV).
+INTERNAL_FIELDS = ("kv_transfer_params",)
+_LEG_ERRORS = {
+    "too_large": "The backend response exceeds limits.max_response_bytes.",
+    "timeout": "The backend response stalled.",
+}
 
 
 class ClientGone(Exception):
@@ -51,6 +71,7 @@ class CompletionHandler:
         max_body_bytes: int,
         route_header: bool,
         needs_prompt_tokens: bool = True,
+        reject_internal_fields: bool = False,
     ) -> None:
         self.registry = registry
         self.routers = routers
@@ -61,10 +82,13 @@ class CompletionHandler:
         self.max_body_bytes = max_body_bytes
         self.route_header = route_header
         self.needs_prompt_tokens = needs_prompt_tokens
+        self.reject_internal_fields = reject_internal_fields
 
     async def __call__(self, kind: Kind, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         headers = dict(scope["headers"])
+        if scope.get("http_version") == "1.0":
+            send = Http10Send(send)  # an HTTP/1.0 client cannot read chunked framing
         try:
             self.authorize(headers.get(b"authorization"))
             raw = await self._read_body(headers, receive)
@@ -72,6 +96,7 @@ class CompletionHandler:
             pool = self.registry.pool(request.model)
             if pool is None:
                 raise ModelNotFound(f"The model `{request.model}` does not exist.", "model")
+            upstream_body = self._upstream_body(request, pool)
         except ClientGone:
             return
         except GatewayError as error:
@@ -83,7 +108,7 @@ class CompletionHandler:
             request_id=_request_id(headers.get(b"x-request-id")),
             started=started,
             route_header=self.route_header,
-            upstream_body=_upstream_body(request, pool),
+            upstream_body=upstream_body,
         )
         await _cancel_on_disconnect(
             self._serve(exchange, pool, send, headers), receive, self._count_disconnect(request)
@@ -119,10 +144,33 @@ class CompletionHandler:
             if not message.get("more_body"):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def _upstream_body(self, request: ParsedRequest, pool: ModelPool) -> bytes:
+        """The body sent upstream: the client's bytes unless a field must go or the model is renamed."""
+        body = request.body
+        internal = [name for name in INTERNAL_FIELDS if name in body]  # dict lookups, no byte scan
+        if internal and self.reject_internal_fields:
+            raise BadRequest(f"'{internal[0]}' may only be set by the gateway.", internal[0])
+        for name in internal:
+            del body[name]  # the P/D legs are built from the body too
+        served = pool.model.upstream_name
+        if served == request.model and not internal:
+            return request.raw  # forwarded byte for byte: no re-serialisation on the common path
+        body["model"] = served
+        return orjson.dumps(body)
+
     async def _serve(self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes]) -> None:
+        try:
+            await self._route(ex, pool, send, headers)
+        finally:
+            ex.release_all()  # the one place a request's reservations end, however it ended
+
+    async def _route(self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes]) -> None:
         request = ex.request
         try:
             features, cached = await self._features(request, pool, headers)
+            ex.prompt_tokens = features.prompt_tokens
+            if cached is not None:
+                ex.cached = _cached_lookup(pool, cached)
             candidates = self.registry.candidates(pool, cached)
             plan = self.routers[request.model].plan(features, candidates)
             self.metrics.route_decisions.labels(request.model, plan.mode.value, plan.reason).inc()
@@ -136,8 +184,9 @@ class CompletionHandler:
                 await self.proxy.disaggregated(ex, prefill, decode, aggregated, send)
             else:
                 await self.proxy.aggregated(ex, aggregated, send)
-        except LegFailed:
-            await self._fail(ex, send, UpstreamFailed("The backend response broke."))
+        except LegFailed as failure:
+            message = _LEG_ERRORS.get(failure.kind, "The backend response broke.")
+            await self._fail(ex, send, UpstreamFailed(message))
             return
         except GatewayError as error:
             await self._fail(ex, send, error)
@@ -223,9 +272,37 @@ def _request_id(header: bytes | None) -> str:
     return os.urandom(16).hex()  # a random 128-bit id, without uuid4's object (a tenth of its cost)
 
 
-def _upstream_body(request: ParsedRequest, pool: ModelPool) -> bytes:
-    served = pool.model.upstream_name
-    if served == request.model:
-        return request.raw  # forwarded byte for byte: no re-serialisation on the common path
-    request.body["model"] = served  # the P/D legs are built from the body too
-    return orjson.dumps(request.body)
+def _cached_lookup(pool: ModelPool, cached: Any) -> Callable[[BackendState], int]:
+    rows = {backend.id: i for i, backend in enumerate(pool.backends)}
+    return lambda backend: int(cached[rows[backend.id]])
+
+
+class Http10Send:
+    """Holds a streamed response for an HTTP/1.0 client and sends it whole, with Content-Length.
+
+    uvicorn frames a response without Content-Length as chunked whatever the client's version, and an
+    HTTP/1.0 client cannot read that. Replies that already carry Content-Length pass straight through.
+    """
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._start: dict[str, Any] | None = None
+        self._parts: list[bytes] = []
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            if any(name == b"content-length" for name, _ in message.get("headers", ())):
+                await self._send(message)
+            else:
+                self._start = message
+            return
+        if self._start is None:
+            await self._send(message)
+            return
+        self._parts.append(message.get("body", b""))
+        if message.get("more_body"):
+            return
+        body = b"".join(self._parts)
+        headers = [*self._start["headers"], (b"content-length", str(len(body)).encode())]
+        await self._send({**self._start, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body})

@@ -51,7 +51,14 @@ class GatewayMetrics:
             "hetgate:retries", "Attempts retried on another backend", ["model"], registry=r
         )
         self.fallbacks = Counter(
-            "hetgate:pd_fallbacks", "P/D requests that fell back", ["model", "to"], registry=r
+            "hetgate:pd_fallbacks", "P/D requests that fell back", ["model", "to", "reason"], registry=r
+        )
+        self.decode_recomputes = Counter(
+            "hetgate:pd_decode_recomputes",
+            "Decode legs retried with transfer parameters an earlier decode backend had already taken "
+            "(the KV may be gone, so the decode recomputes the prompt)",
+            ["model"],
+            registry=r,
         )
         self.in_flight = Gauge("hetgate:backend_in_flight", "Requests in flight", ["backend"], registry=r)
         self.healthy = Gauge(

@@ -3,17 +3,26 @@
 Rules (see `../shared/docs/reliability-anchors.md`):
 - Retry on the next backend of the plan only before any byte reached the client, and only for connection
   errors and 429/502/503/504; at most `limits.max_attempts` tries.
-- Once bytes were sent, a failure ends the stream with vLLM's in-band `data: {"error": ...}` event.
+- Once bytes were sent, a failure ends the stream on an event boundary with vLLM's in-band
+  `data: {"error": ...}` event and `data: [DONE]`; nothing follows `[DONE]`; a backend stream that ends
+  without `[DONE]` was cut and is reported the same way (gateway/sse.py cuts the events).
 - P/D: the prefill leg is non-streamed with max_tokens=1; its `kv_transfer_params` go verbatim into the
-  decode leg; both legs share one X-Request-Id. If a leg fails, the request falls back to aggregated
-  serving (or fails cleanly, per `routing.pd_fallback`), counted in metrics and named in the route header.
+  decode leg; both legs share one X-Request-Id. A decode leg that fails (connection, 5xx) is retried on
+  the next decode backend with the same parameters, so the prefiller's KV is consumed rather than left
+  pinned. If the prefill fails, a NIXL prefiller returns no transfer parameters, or every decode try
+  fails, the request falls back to aggregated serving (or fails cleanly, per `routing.pd_fallback`),
+  counted in metrics with its reason and named in the route header.
+- Reservations: each attempt reserves its backend (Registry.reserve) in `Exchange.reservations`; a failed
+  attempt and a finished prefill leg give theirs back at once, and the handler releases all of them in
+  one `finally` (gateway/handler.py), whatever way the request ends.
 - A client that disconnects cancels this coroutine; closing the upstream response aborts the backend's work.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +31,11 @@ import orjson
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, NoBackend, UpstreamFailed, sse_error_event
 from gateway.metrics import GatewayMetrics
-from gateway.registry import BackendState, Registry
+from gateway.registry import BackendState, Registry, Reservation
 from gateway.schemas import ParsedRequest
-from gateway.sse import UsageRewriter
+from gateway.sse import EventCutter, EventTooLarge, UsageRewriter
 from gateway.upstream import Leg, LegFailed, Upstream
+from scoring.types import LegLoad
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -39,6 +49,9 @@ NIXL_PREFILL_PARAMS = {
     "remote_port": None,
 }
 _DROPPED_ON_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+# After [DONE], read at most this much for this long to keep the connection; else close it.
+_DRAIN_BYTES = 64 * 1024
+_DRAIN_S = 1.0
 
 
 @dataclass(slots=True)
@@ -50,10 +63,29 @@ class Exchange:
     started: float
     route_header: bool
     upstream_body: bytes
+    prompt_tokens: int = 0  # the router's estimate (0 when the policy needs none)
+    cached: Callable[[BackendState], int] | None = None  # prompt tokens the index says a backend holds
     served: list[BackendState] = field(default_factory=list)
     mode: str = "aggregated"
     responded: bool = False  # True once the status line went out: errors must then travel in-band
     ttft_s: float = 0.0  # streamed responses: time to the first chunk sent to the client
+    reservations: list[Reservation] = field(default_factory=list)
+
+    def release_all(self) -> None:
+        """Give back every reservation this request took (the handler's `finally` calls it)."""
+        for reservation in self.reservations:
+            reservation.release()
+
+    def leg_load(self, backend: BackendState, leg: str) -> LegLoad:
+        """What a leg of this request puts on `backend` (leg: aggregated | prefill | decode)."""
+        prompt = self.prompt_tokens
+        uncached = prompt - self.cached(backend) if self.cached is not None and prompt else prompt
+        if leg == "prefill":
+            return LegLoad(prefill_tokens=uncached, decode_tokens=1, context_tokens=prompt)
+        decode = self.request.max_tokens or 1
+        if leg == "decode":
+            return LegLoad(prefill_tokens=0, decode_tokens=decode, context_tokens=prompt)
+        return LegLoad(prefill_tokens=uncached, decode_tokens=decode, context_tokens=prompt)
 
 
 @dataclass(slots=True)
@@ -77,7 +109,7 @@ class Proxy:
     async def aggregated(
         self, ex: Exchange, order: Sequence[BackendState], send: Send, note: str = ""
     ) -> None:
-        leg = await self._open_first(ex, order, ex.request.kind.path, ex.upstream_body)
+        leg = await self._open_first(ex, order, ex.request.kind.path, ex.upstream_body, "aggregated")
         ex.mode = "aggregated"
         ex.served = [leg.backend]
         route = f"mode=aggregated; backend={leg.backend.id}{note}"
@@ -94,18 +126,32 @@ class Proxy:
         send: Send,
     ) -> None:
         model = ex.request.model
+        # The decode backend is spoken for from the moment the split is planned, not after the prefill.
+        planned = self._reserve(ex, decode[0], "decode")
         try:
             done = await self._prefill(ex, prefill)
         except GatewayError:
+            planned.release()
             await self._fall_back(ex, fallback, send, "prefill_failed")
+            return
+        if done.kv_transfer_params is None and done.backend.config.kv_connector == "nixl":
+            # The decode backend would recompute the whole prompt: say so instead of calling it P/D.
+            planned.release()
+            await self._fall_back(ex, fallback, send, "no_kv_params")
             return
         body = dict(ex.request.body)
         if done.kv_transfer_params is not None:
             body["kv_transfer_params"] = done.kv_transfer_params
+        unreachable: list[BackendState] = []
         try:
-            leg = await self._open_first(ex, decode, ex.request.kind.path, orjson.dumps(body))
+            leg = await self._open_first(
+                ex, decode, ex.request.kind.path, orjson.dumps(body), "decode", planned, unreachable
+            )
         except GatewayError:
-            await self._fall_back(ex, [b for b in fallback if b not in decode], send, "decode_failed")
+            # A decode backend that answered (e.g. a 500 after a failed KV pull) may still serve the
+            # request aggregated; one that could not be reached is left out.
+            order = [b for b in fallback if b not in unreachable]
+            await self._fall_back(ex, order, send, "decode_failed")
             return
         ex.mode = "pd"
         ex.served = [done.backend, leg.backend]
@@ -124,12 +170,19 @@ class Proxy:
         plain = orjson.dumps(body)
         nixl = orjson.dumps({**body, "kv_transfer_params": NIXL_PREFILL_PARAMS})
         leg = await self._open_first(
-            ex, order, ex.request.kind.path, lambda b: nixl if b.config.kv_connector == "nixl" else plain
+            ex,
+            order,
+            ex.request.kind.path,
+            lambda b: nixl if b.config.kv_connector == "nixl" else plain,
+            "prefill",
         )
         try:
             raw = await self._read_tracked(leg)
         except LegFailed:
             raise UpstreamFailed("The prefill leg broke.") from None
+        finally:
+            assert leg.reservation is not None
+            leg.reservation.release()  # the prefill's work is over; the decode may run for minutes
         if leg.response.status != 200:
             self._note_failure(leg.backend, LegFailed("status", False, leg.response.status))
             raise UpstreamFailed("The prefill leg failed.")
@@ -138,12 +191,17 @@ class Proxy:
     async def _fall_back(self, ex: Exchange, order: Sequence[BackendState], send: Send, why: str) -> None:
         model = ex.request.model
         if self.config.routing.pd_fallback == "fail" or not order:
-            self.metrics.fallbacks.labels(model, "fail").inc()
+            self.metrics.fallbacks.labels(model, "fail", why).inc()
             raise UpstreamFailed(f"Prefill/decode serving failed ({why}) and no fallback is allowed.")
-        self.metrics.fallbacks.labels(model, "aggregated").inc()
+        self.metrics.fallbacks.labels(model, "aggregated", why).inc()
         await self.aggregated(ex, order, send, note=f"; fallback={why}")
 
     # -- shared machinery -----------------------------------------------------------------------------------
+
+    def _reserve(self, ex: Exchange, backend: BackendState, leg: str) -> Reservation:
+        reservation = self.registry.reserve(backend, ex.leg_load(backend, leg))
+        ex.reservations.append(reservation)
+        return reservation
 
     async def _open_first(
         self,
@@ -151,23 +209,62 @@ class Proxy:
         order: Sequence[BackendState],
         path: str,
         body: bytes | Callable[[BackendState], bytes],
+        leg_kind: str,
+        planned: Reservation | None = None,
+        unreachable: list[BackendState] | None = None,
     ) -> Leg:
-        """Open the leg on the first backend that answers; retries follow the rules in the module doc."""
+        """Open the leg on the first backend that answers; retries follow the rules in the module doc.
+
+        A decode leg also moves on after a 5xx (the next decode backend gets the same transfer parameters);
+        `planned` is the reservation taken for the first backend when the request was planned; backends
+        that refused the connection are added to `unreachable` when given.
+        """
         last: LegFailed | None = None
+        answered = False  # a decode backend saw these transfer parameters (it may have consumed the KV)
         for i, backend in enumerate(order[: self.config.limits.max_attempts]):
             if i > 0:
                 self.metrics.retries.labels(ex.request.model).inc()
+                if answered:
+                    self.metrics.decode_recomputes.labels(ex.request.model).inc()
             data = body if isinstance(body, bytes) else body(backend)
-            self.registry.begin(backend)
+            if i == 0 and planned is not None and planned.backend is backend:
+                reservation = planned
+            else:
+                if planned is not None:
+                    planned.release()
+                reservation = self._reserve(ex, backend, leg_kind)
             try:
-                return await self.upstream.open(backend, path, data, ex.request_id)
+                leg = await self.upstream.open(backend, path, data, ex.request_id)
+                if leg_kind == "decode":
+                    await self._check_decode(ex, leg)
             except LegFailed as failure:
-                self.registry.end(backend)
+                reservation.release()  # this attempt is over: the backend no longer carries it
                 self._note_failure(backend, failure)
+                answered = answered or (leg_kind == "decode" and failure.kind != "connect")
+                if unreachable is not None and failure.kind == "connect":
+                    unreachable.append(backend)
                 last = failure
                 if not failure.retryable:
                     break
+                continue
+            leg.reservation = reservation
+            return leg
         raise _final_error(last)
+
+    async def _check_decode(self, ex: Exchange, leg: Leg) -> None:
+        """A decode leg that fails before the client saw a byte moves on to the next decode backend: a 5xx,
+        a reply that breaks while it is read (client not streaming), a stream that ends or breaks before
+        its first byte."""
+        if leg.response.status >= 500:
+            await self.upstream.discard(leg)
+            raise LegFailed("status", retryable=True, status=leg.response.status)
+        try:
+            if not ex.request.stream:
+                leg.body = await self.upstream.read(leg)
+            elif leg.response.status == 200 and not await self.upstream.first_bytes(leg):
+                raise LegFailed("payload", retryable=True)
+        except LegFailed as failure:
+            raise LegFailed(failure.kind, retryable=failure.kind == "payload") from None
 
     def _note_failure(self, backend: BackendState, failure: LegFailed) -> None:
         self.metrics.upstream_errors.labels(backend.id, failure.kind).inc()
@@ -180,8 +277,6 @@ class Proxy:
         except LegFailed as failure:
             self._note_failure(leg.backend, failure)
             raise
-        finally:
-            self.registry.end(leg.backend)
 
     async def _relay(
         self, ex: Exchange, leg: Leg, send: Send, route: str, rewrite_cached: int | None
@@ -195,7 +290,7 @@ class Proxy:
         if ex.request.stream and status == 200:
             await self._stream(ex, leg, send, headers, rewrite_cached)
             return
-        body = await self._read_tracked(leg)
+        body = leg.body if leg.body is not None else await self._read_tracked(leg)
         if status >= 500:
             self.registry.record_failure(leg.backend)
         else:
@@ -217,36 +312,72 @@ class Proxy:
         rewrite_cached: int | None,
     ) -> None:
         rewriter = UsageRewriter(rewrite_cached) if rewrite_cached is not None else None
+        cutter = EventCutter(self.config.limits.max_response_bytes)
+        chunks = self.upstream.chunks(leg)
         first_at = 0.0
         events = 0
-        status = 200
-        finished = False
+        failure: LegFailed | None = None
+        ex.responded = True
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         try:
-            ex.responded = True
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            async for chunk in self.upstream.chunks(leg):
-                if rewriter is not None:
-                    chunk = rewriter.feed(chunk)
+            async for chunk in chunks:
+                whole = cutter.feed(chunk)
+                if not whole:
+                    continue
                 if not first_at:
                     first_at = time.perf_counter()
                     ex.ttft_s = first_at - ex.started
-                events += chunk.count(b"data: ")
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            finished = True
-            self.registry.record_success(leg.backend)
-        except LegFailed as failure:
-            self._note_failure(leg.backend, failure)
-            status = 502
-            error = sse_error_event("The backend stream broke.")
-            await send({"type": "http.response.body", "body": error, "more_body": True})
+                    if leg.reservation is not None:
+                        leg.reservation.prefill_done()
+                if rewriter is not None:
+                    whole = rewriter.rewrite_events(whole)
+                events += whole.count(b"data: ")
+                await send({"type": "http.response.body", "body": whole, "more_body": True})
+                if cutter.done:
+                    break
+            if not cutter.done:
+                failure = LegFailed("truncated", retryable=False)
+        except EventTooLarge:
+            failure = LegFailed("too_large", retryable=False)
+        except LegFailed as error:
+            failure = error
         finally:
-            self.registry.end(leg.backend)
-            if not finished:
+            if not cutter.done:
                 leg.response.close()  # aborts the backend's generation (client gone, or stream broke)
-        if rewriter is not None:
-            await send({"type": "http.response.body", "body": rewriter.flush(), "more_body": True})
+                await chunks.aclose()
+        if failure is None:
+            self.registry.record_success(leg.backend)
+        else:
+            # The partial event (cutter.partial) is dropped: the error starts on an event boundary.
+            self._note_failure(leg.backend, failure)
+            message = _STREAM_ERRORS.get(failure.kind, "The backend stream broke.")
+            await send({"type": "http.response.body", "body": sse_error_event(message), "more_body": True})
         await send({"type": "http.response.body", "body": b""})
-        self._observe(ex, status, first_at, events)
+        self._observe(ex, 200 if failure is None else 502, first_at, events)
+        if failure is None:
+            await self._drain(leg, chunks)
+
+    async def _drain(self, leg: Leg, chunks: AsyncGenerator[bytes, None]) -> None:
+        """After [DONE] (the client is served): read the backend's last bytes so its connection is reused;
+        a backend that keeps writing is cut off."""
+        if leg.reservation is not None:
+            leg.reservation.release()
+        if leg.response.content.at_eof():  # the usual case: the body's end came with [DONE]
+            await chunks.aclose()
+            return
+        drained = 0
+        try:
+            async with asyncio.timeout(_DRAIN_S):
+                async for chunk in chunks:
+                    drained += len(chunk)
+                    if drained > _DRAIN_BYTES:
+                        break
+        except (LegFailed, TimeoutError):
+            drained = _DRAIN_BYTES + 1
+        finally:
+            if drained > _DRAIN_BYTES:
+                leg.response.close()
+            await chunks.aclose()
 
     def _observe(self, ex: Exchange, status: int, first_at: float = 0.0, events: int = 0) -> None:
         now = time.perf_counter()
@@ -257,6 +388,13 @@ class Proxy:
             self.metrics.ttft.labels(model, mode).observe(first_at - ex.started)
             if events > 2:
                 self.metrics.tpot.labels(model, mode).observe((now - first_at) / (events - 2))
+
+
+_STREAM_ERRORS = {
+    "truncated": "The backend stream ended before [DONE].",
+    "too_large": "A backend stream event exceeds limits.max_response_bytes.",
+    "timeout": "The backend stream stalled.",
+}
 
 
 def _prefilled(backend: BackendState, raw: bytes) -> Prefilled:

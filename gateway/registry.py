@@ -18,7 +18,18 @@ import numpy as np
 
 from gateway.config import BackendConfig, GatewayConfig, Health, ModelConfig
 from gateway.stats import VllmLoad
-from scoring.types import BackendSpec, Candidates, Role
+from scoring.types import BackendSpec, Candidates, LegLoad, Role
+
+
+class Reserved:
+    """What the gateway's own requests have reserved on one backend (totals over open reservations)."""
+
+    __slots__ = ("context_tokens", "decode_seqs", "prefill_tokens")
+
+    def __init__(self) -> None:
+        self.prefill_tokens = 0  # prompt tokens still to be computed
+        self.decode_seqs = 0  # sequences that will decode (or are decoding) here
+        self.context_tokens = 0  # prompt tokens whose KV those sequences hold
 
 
 class BackendState:
@@ -29,6 +40,7 @@ class BackendState:
         "healthy",
         "in_flight",
         "load",
+        "reserved",
         "spec",
         "trial_in_flight",
         "upstream_key",
@@ -51,6 +63,7 @@ class BackendState:
         self.down_since = 0.0
         self.trial_in_flight = False
         self.in_flight = 0
+        self.reserved = Reserved()
         self.load = VllmLoad()
 
     @property
@@ -62,6 +75,47 @@ class BackendState:
         if self.healthy:
             return True
         return not self.trial_in_flight and now - self.down_since >= recovery_s
+
+
+class Reservation:
+    """One request leg's hold on one backend: counted in `in_flight` and `reserved` until released.
+
+    Both methods are idempotent, so the one owner (the handler's `finally`, see gateway/handler.py) can
+    release everything a request took without knowing which legs already gave their part back.
+    """
+
+    __slots__ = ("_open", "_prefilling", "backend", "load")
+
+    def __init__(self, backend: BackendState, load: LegLoad) -> None:
+        self.backend = backend
+        self.load = load
+        self._open = True
+        self._prefilling = True
+        backend.in_flight += 1
+        reserved = backend.reserved
+        reserved.prefill_tokens += load.prefill_tokens
+        reserved.decode_seqs += 1
+        reserved.context_tokens += load.context_tokens
+
+    @property
+    def open(self) -> bool:
+        return self._open
+
+    def prefill_done(self) -> None:
+        """The backend's first byte (or the prefill leg's result) arrived: its prompt is computed."""
+        if self._prefilling:
+            self._prefilling = False
+            self.backend.reserved.prefill_tokens -= self.load.prefill_tokens
+
+    def release(self) -> None:
+        if not self._open:
+            return
+        self.prefill_done()
+        self._open = False
+        backend = self.backend
+        backend.in_flight -= 1
+        backend.reserved.decode_seqs -= 1
+        backend.reserved.context_tokens -= self.load.context_tokens
 
 
 class ModelPool:
@@ -118,13 +172,11 @@ class Registry:
     def candidates(self, pool: ModelPool, cached_tokens: np.ndarray | None = None) -> Candidates:
         return pool.candidates(self._clock(), self.health_settings.recovery_s, cached_tokens)
 
-    def begin(self, backend: BackendState) -> None:
-        backend.in_flight += 1
+    def reserve(self, backend: BackendState, load: LegLoad) -> Reservation:
+        """Hold `load` on `backend` until the reservation is released (see Reservation)."""
         if not backend.healthy:
-            backend.trial_in_flight = True
-
-    def end(self, backend: BackendState) -> None:
-        backend.in_flight -= 1
+            backend.trial_in_flight = True  # this request is the half-open trial
+        return Reservation(backend, load)
 
     def record_success(self, backend: BackendState) -> None:
         backend.failures = 0

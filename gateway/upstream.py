@@ -4,21 +4,26 @@ measurements of both on the same proxy loop).
 Deadlines: `connect_s` to open a connection, `ttfb_s` until the response headers arrive, then `idle_s`
 between two body chunks. There is deliberately no limit on a response's total duration: a long generation
 that keeps streaming is healthy. Low-level errors are translated here, at one boundary, into `LegFailed`.
+
+Backends are never followed elsewhere: a 3xx is an upstream error (a redirect would re-send the prompt to
+a host the configuration does not name). A non-streamed body is read up to `max_response_bytes`, never
+buffered whole beyond it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import aiohttp
 
 from gateway.config import Timeouts
-from gateway.registry import BackendState
+from gateway.registry import BackendState, Reservation
 
 # Retried on another backend, and only before any byte reached the client.
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+_ERROR_BODY_BYTES = 64 * 1024  # a backend's error body relayed to the client is at most this long
 
 
 class LegFailed(Exception):
@@ -26,7 +31,7 @@ class LegFailed(Exception):
 
     def __init__(self, kind: str, retryable: bool, status: int = 502, body: bytes | None = None) -> None:
         super().__init__(kind)
-        self.kind = kind  # connect | timeout | status | payload
+        self.kind = kind  # connect | timeout | status | redirect | payload | too_large
         self.retryable = retryable
         self.status = status
         self.body = body
@@ -72,11 +77,15 @@ class IdleWatchdog:
 class Leg:
     backend: BackendState
     response: aiohttp.ClientResponse
+    reservation: Reservation | None = None  # set by the proxy, which took it
+    body: bytes | None = None  # a non-streamed reply the proxy already read (P/D decode legs)
+    head: bytes = b""  # the first bytes of a stream, read before the client saw any (P/D decode legs)
 
 
 class Upstream:
-    def __init__(self, timeouts: Timeouts) -> None:
+    def __init__(self, timeouts: Timeouts, max_response_bytes: int = 64 * 1024 * 1024) -> None:
         self.timeouts = timeouts
+        self.max_response_bytes = max_response_bytes
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300
@@ -96,21 +105,27 @@ class Upstream:
             headers["Authorization"] = f"Bearer {backend.upstream_key}"
         try:
             async with asyncio.timeout(self.timeouts.ttfb_s):
-                response = await self.session.post(backend.config.base_url + path, data=body, headers=headers)
+                response = await self.session.post(
+                    backend.config.base_url + path, data=body, headers=headers, allow_redirects=False
+                )
         except aiohttp.ClientConnectionError:
             raise LegFailed("connect", retryable=True) from None
         except TimeoutError:
             raise LegFailed("timeout", retryable=False, status=504) from None
-        if response.status in RETRY_STATUSES:
+        status = response.status
+        if status in RETRY_STATUSES:
             payload = await self._read_quietly(response)
-            raise LegFailed("status", retryable=True, status=response.status, body=payload)
+            raise LegFailed("status", retryable=True, status=status, body=payload)
+        if 300 <= status < 400:
+            response.close()  # its body and Location header never reach the client
+            raise LegFailed("redirect", retryable=True)
         return Leg(backend, response)
 
     async def read(self, leg: Leg) -> bytes:
-        """The whole body of a non-streamed response."""
+        """The whole body of a non-streamed response, at most `max_response_bytes` of it."""
         try:
             async with asyncio.timeout(self.timeouts.idle_s):
-                return await leg.response.read()
+                return await _read_bounded(leg.response, self.max_response_bytes)
         except (aiohttp.ClientError, TimeoutError):
             leg.response.close()
             raise LegFailed("payload", retryable=False) from None
@@ -118,8 +133,26 @@ class Upstream:
             leg.response.close()  # the client left: abort the backend's work too
             raise
 
-    async def chunks(self, leg: Leg) -> AsyncIterator[bytes]:
+    async def first_bytes(self, leg: Leg) -> bytes:
+        """The stream's first chunk (kept in `leg.head` for `chunks`); b"" when it ended without any."""
+        try:
+            async with asyncio.timeout(self.timeouts.idle_s):
+                leg.head = await leg.response.content.readany()
+        except aiohttp.ClientError:
+            leg.response.close()
+            raise LegFailed("payload", retryable=False) from None
+        except TimeoutError:
+            leg.response.close()
+            raise LegFailed("timeout", retryable=False) from None
+        except asyncio.CancelledError:
+            leg.response.close()  # the client left: abort the backend's work too
+            raise
+        return leg.head
+
+    async def chunks(self, leg: Leg) -> AsyncGenerator[bytes, None]:
         """Body chunks as they arrive; waiting more than `idle_s` for the next one ends the leg."""
+        if leg.head:
+            yield leg.head
         content = leg.response.content
         watchdog = IdleWatchdog(self.timeouts.idle_s, leg.response.close)
         try:
@@ -137,11 +170,38 @@ class Upstream:
         finally:
             watchdog.cancel()
 
+    async def discard(self, leg: Leg) -> None:
+        """Read and drop an unusable response (a short, bounded read keeps the connection reusable)."""
+        await self._read_quietly(leg.response)
+
     @staticmethod
     async def _read_quietly(response: aiohttp.ClientResponse) -> bytes | None:
         try:
             async with asyncio.timeout(1.0):
-                return await response.read()
-        except (aiohttp.ClientError, TimeoutError):
+                return await _read_bounded(response, _ERROR_BODY_BYTES)
+        except (aiohttp.ClientError, TimeoutError, LegFailed):
             response.close()
             return None
+        except asyncio.CancelledError:
+            response.close()
+            raise
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body, or LegFailed("too_large") as soon as it is known to exceed `limit` bytes."""
+    declared = response.content_length
+    if declared is not None and declared <= limit:
+        return await response.read()  # the common case: one call, no copies
+    if declared is not None:
+        response.close()
+        raise LegFailed("too_large", retryable=False)
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await response.content.readany():
+        size += len(chunk)
+        if size > limit:
+            response.close()
+            raise LegFailed("too_large", retryable=False)
+        parts.append(chunk)
+    response.release()
+    return b"".join(parts)

@@ -148,3 +148,12 @@ class Outcome:
     output_tokens: int
     ttft_s: float
     e2e_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LegLoad:
+    """The work one request leg puts on one backend, reserved when the request is planned."""
+
+    prefill_tokens: int  # prompt tokens this backend must compute (uncached; 0 for the decode leg of a split)
+    decode_tokens: int  # output tokens it will generate (1 for a prefill leg)
+    context_tokens: int  # prompt tokens whose KV it will hold while decoding

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from gateway.config import parse_config
 from gateway.registry import Registry
+from scoring.types import LegLoad
+
+LOAD = LegLoad(prefill_tokens=0, decode_tokens=1, context_tokens=0)
 
 
 class Clock:
@@ -51,21 +54,38 @@ def test_half_open_lets_one_trial_through_after_recovery_time():
     assert not a.available(clock(), 5)
     clock.now += 0.2
     assert a.available(clock(), 5)
-    reg.begin(a)  # the trial
+    trial = reg.reserve(a, LOAD)  # the trial
     assert not a.available(clock(), 5)
     reg.record_failure(a)  # trial failed: wait again
-    reg.end(a)
+    trial.release()
     assert not a.available(clock(), 5)
     clock.now += 5
-    reg.begin(a)
+    trial = reg.reserve(a, LOAD)
     reg.record_success(a)
-    reg.end(a)
+    trial.release()
     assert a.healthy and a.available(clock(), 5)
 
 
 def test_load_combines_own_in_flight_with_reported_queue():
     reg = registry(Clock())
     a = reg.backends["a"]
-    reg.begin(a)
-    reg.begin(a)
+    reg.reserve(a, LOAD)
+    reg.reserve(a, LOAD)
     assert reg.candidates(reg.pools["m"]).load.tolist() == [2.0, 0.0]
+
+
+def test_reservation_adds_its_load_and_takes_it_off_once():
+    reg = registry(Clock())
+    a = reg.backends["a"]
+    first = reg.reserve(a, LegLoad(prefill_tokens=100, decode_tokens=8, context_tokens=120))
+    second = reg.reserve(a, LegLoad(prefill_tokens=10, decode_tokens=4, context_tokens=30))
+    totals = (a.in_flight, a.reserved.prefill_tokens, a.reserved.decode_seqs, a.reserved.context_tokens)
+    assert totals == (2, 110, 2, 150)
+    first.prefill_done()
+    first.prefill_done()
+    assert (a.in_flight, a.reserved.prefill_tokens) == (2, 10)
+    first.release()
+    first.release()
+    second.release()
+    totals = (a.in_flight, a.reserved.prefill_tokens, a.reserved.decode_seqs, a.reserved.context_tokens)
+    assert totals == (0, 0, 0, 0)

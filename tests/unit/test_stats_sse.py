@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import orjson
+import pytest
 
-from gateway.sse import UsageRewriter
+from gateway.sse import EventCutter, EventTooLarge, UsageRewriter
 from gateway.stats import parse_vllm_metrics
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -46,9 +47,41 @@ def test_rewrite_leaves_bodies_without_details_alone():
 
 def test_stream_rewrite_survives_events_split_across_chunks():
     stream = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' + usage_event(640) + b"data: [DONE]\n\n"
-    rewriter = UsageRewriter(7)
-    out = b"".join(rewriter.feed(stream[i : i + 13]) for i in range(0, len(stream), 13)) + rewriter.flush()
+    rewriter, cutter = UsageRewriter(7), EventCutter(1024)
+    out = b"".join(
+        rewriter.rewrite_events(cutter.feed(stream[i : i + 13])) for i in range(0, len(stream), 13)
+    )
+    assert cutter.done and cutter.partial == b""
     events = [e for e in out.split(b"\n\n") if e]
     assert events[0] == b'data: {"choices":[{"delta":{"content":"a"}}]}'
     assert orjson.loads(events[1][6:])["usage"]["prompt_tokens_details"]["cached_tokens"] == 7
     assert events[2] == b"data: [DONE]"
+
+
+def test_cutter_passes_whole_events_and_holds_the_partial_one():
+    cutter = EventCutter(1024)
+    assert cutter.feed(b'data: {"a"') == b""
+    assert cutter.feed(b':1}\n\ndata: {"b') == b'data: {"a":1}\n\n'
+    assert cutter.partial == b'data: {"b'
+    assert cutter.feed(b'":2}\n\n') == b'data: {"b":2}\n\n'
+    assert not cutter.done
+
+
+def test_cutter_stops_at_done_even_within_a_chunk():
+    cutter = EventCutter(1024)
+    assert cutter.feed(b"data: {}\n\ndata: [DONE]\n\ndata: {}\n\n") == b"data: {}\n\ndata: [DONE]\n\n"
+    assert cutter.done
+    assert cutter.feed(b"data: {}\n\n") == b""
+
+
+def test_cutter_does_not_take_done_inside_another_line_for_the_end():
+    cutter = EventCutter(1024)
+    assert cutter.feed(b'data: {"x": "data: [DONE]\n\n') == b'data: {"x": "data: [DONE]\n\n'
+    assert not cutter.done
+
+
+def test_cutter_refuses_an_event_that_never_ends():
+    cutter = EventCutter(16)
+    cutter.feed(b"data: 0123456789")
+    with pytest.raises(EventTooLarge):
+        cutter.feed(b"0123456789")
