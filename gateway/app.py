@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -22,7 +23,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.poller import Poller
 from gateway.prefix import PrefixServices, build_prefix_services
 from gateway.proxy import Proxy
-from gateway.registry import BackendState, Registry
+from gateway.registry import BackendState, HealthEvent, Registry
+from gateway.retry import failing_statuses
 from gateway.schemas import Kind
 from gateway.upstream import Upstream
 from scoring.catalog import load_catalog
@@ -80,15 +82,17 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     config: GatewayConfig = app.state.config
     metrics = GatewayMetrics()
 
-    def on_health_change(backend: BackendState) -> None:
-        metrics.healthy.labels(backend.id).set(1 if backend.healthy else 0)
-        log.warning("backend %s is now %s", backend.id, "up" if backend.healthy else "down")
+    def on_health_change(backend: BackendState, event: HealthEvent) -> None:
+        metrics.health_changes.labels(backend.id, event.value).inc()
+        if event is HealthEvent.EJECTED:
+            metrics.ejections.labels(backend.id).inc()
+        log.warning("backend %s: %s", backend.id, event.value)
 
     registry = Registry(config, on_health_change)
     for backend in registry.backends.values():
-        metrics.healthy.labels(backend.id).set(1)
+        metrics.healthy.labels(backend.id).set_function(partial(_available, registry, backend))
         metrics.in_flight.labels(backend.id).set_function(lambda b=backend: b.in_flight)
-    upstream = Upstream(config.timeouts)
+    upstream = Upstream(config.timeouts, failing_statuses(config.retry))
     prefix: PrefixServices | None = await build_prefix_services(config, registry, metrics)
     handler = CompletionHandler(
         registry=registry,
@@ -112,6 +116,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             if prefix:
                 await prefix.close()
             await upstream.close()
+
+
+def _available(registry: Registry, backend: BackendState) -> float:
+    return float(registry.available(backend))
 
 
 def create_app(config: GatewayConfig) -> FastAPI:

@@ -1,8 +1,8 @@
 """Execute a RoutePlan: aggregated with retries, or prefill/decode as one transaction with fallbacks.
 
 Rules (see `../shared/docs/reliability-anchors.md`):
-- Retry on the next backend of the plan only before any byte reached the client, and only for connection
-  errors and 429/502/503/504; at most `limits.max_attempts` tries.
+- Retry on the next backend of the plan only before any byte reached the client, as `retry` says
+  (gateway/retry.py: `retry_on`, `num_retries`, retry budget); each attempt's outcome feeds outlier detection.
 - Once bytes were sent, a failure ends the stream with vLLM's in-band `data: {"error": ...}` event.
 - P/D: the prefill leg is non-streamed with max_tokens=1; its `kv_transfer_params` go verbatim into the
   decode leg; both legs share one X-Request-Id. If a leg fails, the request falls back to aggregated
@@ -23,6 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, NoBackend, UpstreamFailed, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.registry import BackendState, Registry
+from gateway.retry import RetryPolicy
 from gateway.schemas import ParsedRequest
 from gateway.sse import UsageRewriter
 from gateway.upstream import Leg, LegFailed, Upstream
@@ -71,6 +72,7 @@ class Proxy:
         self.registry = registry
         self.upstream = upstream
         self.metrics = metrics
+        self.retry_policy = RetryPolicy(config.retry, registry, metrics)
 
     # -- aggregated -----------------------------------------------------------------------------------------
 
@@ -154,25 +156,27 @@ class Proxy:
     ) -> Leg:
         """Open the leg on the first backend that answers; retries follow the rules in the module doc."""
         last: LegFailed | None = None
-        for i, backend in enumerate(order[: self.config.limits.max_attempts]):
-            if i > 0:
-                self.metrics.retries.labels(ex.request.model).inc()
-            data = body if isinstance(body, bytes) else body(backend)
-            self.registry.begin(backend)
-            try:
-                return await self.upstream.open(backend, path, data, ex.request_id)
-            except LegFailed as failure:
-                self.registry.end(backend)
-                self._note_failure(backend, failure)
-                last = failure
-                if not failure.retryable:
-                    break
+        with self.retry_policy.attempts() as tries:
+            for i, backend in enumerate(order):
+                if i > 0:
+                    self.metrics.retries.labels(ex.request.model).inc()
+                data = body if isinstance(body, bytes) else body(backend)
+                self.registry.begin(backend)
+                try:
+                    leg = await self.upstream.open(backend, path, data, ex.request_id)
+                except LegFailed as failure:
+                    self.registry.end(backend)
+                    tries.failed(backend, failure)
+                    last = failure
+                    if not (failure.retryable and tries.should_retry(failure, i + 1, len(order))):
+                        break
+                    continue
+                tries.succeeded(backend, leg.response.status)
+                return leg
         raise _final_error(last)
 
     def _note_failure(self, backend: BackendState, failure: LegFailed) -> None:
-        self.metrics.upstream_errors.labels(backend.id, failure.kind).inc()
-        if failure.status != 429:  # a busy backend is not a broken one
-            self.registry.record_failure(backend)
+        self.retry_policy.note(backend, failure)
 
     async def _read_tracked(self, leg: Leg) -> bytes:
         try:
@@ -196,10 +200,6 @@ class Proxy:
             await self._stream(ex, leg, send, headers, rewrite_cached)
             return
         body = await self._read_tracked(leg)
-        if status >= 500:
-            self.registry.record_failure(leg.backend)
-        else:
-            self.registry.record_success(leg.backend)
         if rewrite_cached is not None and status == 200:
             body = UsageRewriter(rewrite_cached).rewrite_json(body)
         ex.responded = True

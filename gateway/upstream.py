@@ -17,16 +17,14 @@ import aiohttp
 from gateway.config import Timeouts
 from gateway.registry import BackendState
 
-# Retried on another backend, and only before any byte reached the client.
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
-
 
 class LegFailed(Exception):
-    """A leg that produced no usable response. `retryable` says whether another backend may be tried."""
+    """A leg that produced no usable response. `retryable`: it failed before the response headers, so
+    another backend may be tried if `retry.retry_on` says so (gateway/retry.py)."""
 
     def __init__(self, kind: str, retryable: bool, status: int = 502, body: bytes | None = None) -> None:
         super().__init__(kind)
-        self.kind = kind  # connect | timeout | status | payload
+        self.kind = kind  # connect | reset | timeout | status | payload
         self.retryable = retryable
         self.status = status
         self.body = body
@@ -75,8 +73,9 @@ class Leg:
 
 
 class Upstream:
-    def __init__(self, timeouts: Timeouts) -> None:
+    def __init__(self, timeouts: Timeouts, failing_statuses: frozenset[int]) -> None:
         self.timeouts = timeouts
+        self.failing_statuses = failing_statuses  # answered as LegFailed("status"): see gateway/retry.py
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300
@@ -97,11 +96,13 @@ class Upstream:
         try:
             async with asyncio.timeout(self.timeouts.ttfb_s):
                 response = await self.session.post(backend.config.base_url + path, data=body, headers=headers)
-        except aiohttp.ClientConnectionError:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
             raise LegFailed("connect", retryable=True) from None
+        except aiohttp.ClientError:
+            raise LegFailed("reset", retryable=True) from None
         except TimeoutError:
-            raise LegFailed("timeout", retryable=False, status=504) from None
-        if response.status in RETRY_STATUSES:
+            raise LegFailed("timeout", retryable=True, status=504) from None
+        if response.status in self.failing_statuses:
             payload = await self._read_quietly(response)
             raise LegFailed("status", retryable=True, status=response.status, body=payload)
         return Leg(backend, response)
