@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.integration.conftest import backend, chat_body, config, metric
 
@@ -163,3 +164,21 @@ def test_overload_503s_are_backpressure_not_ill_health(sim, gateway):
     for server in (a, b):
         server.set_faults({})
     assert post(gw).status_code == 200  # nothing was taken out: served at once
+
+
+@pytest.mark.parametrize(("panic_threshold_percent", "served"), [(50, 200), (0, 503)])
+def test_panic_mode_routes_to_all_when_too_few_backends_answer_their_probes(
+    sim, gateway, panic_threshold_percent, served
+):
+    a, b = sim(), sim()
+    for server in (a, b):
+        server.set_faults({"health_status": 503})  # probes fail; generations would still be served
+    health = {"panic_threshold_percent": panic_threshold_percent}
+    gw = gateway(config([backend(a, "a"), backend(b, "b")], health=health))
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{gw.url}/ready").status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert metric(gw.url, "hetgate:backend_health_changes_total", event="probe_down") == 2
+    statuses = [post(gw).status_code for _ in range(4)]
+    assert statuses == [served] * 4  # panic: to every backend; without it: "No healthy backend"

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gateway.config import Retry, parse_config
+from gateway.config import ConfigError, Retry, parse_config
 from gateway.metrics import GatewayMetrics
 from gateway.outlier import Verdict
 from gateway.registry import Registry
@@ -190,3 +190,8 @@ def test_mid_stream_breaks_count_idle_timeouts_do_not():
     retry.note(registry.backends["b0"], LegFailed("timeout", retryable=False))
     retry.note(registry.backends["b1"], LegFailed("payload", retryable=False))
     assert ejected(registry) == ["b1"]
+
+
+def test_a_bad_retry_condition_is_named_by_its_path():
+    with pytest.raises(ConfigError, match=r"retry\.retry_on\[1\]"):
+        policy(retry_on=["5xx", "4xx"])
