@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -24,7 +24,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.poller import Poller
 from gateway.prefix import PrefixServices, build_prefix_services
 from gateway.proxy import Proxy
-from gateway.registry import BackendState, Registry
+from gateway.registry import BackendState, HealthEvent, Registry
+from gateway.retry import failing_statuses
 from gateway.schemas import Kind
 from gateway.upstream import Upstream
 from scoring.catalog import load_catalog
@@ -86,16 +87,18 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     config: GatewayConfig = app.state.config
     metrics = GatewayMetrics()
 
-    def on_health_change(backend: BackendState) -> None:
-        metrics.healthy.labels(backend.id).set(1 if backend.healthy else 0)
-        log.warning("backend %s is now %s", backend.id, "up" if backend.healthy else "down")
+    def on_health_change(backend: BackendState, event: HealthEvent) -> None:
+        metrics.health_changes.labels(backend.id, event.value).inc()
+        if event is HealthEvent.EJECTED:
+            metrics.ejections.labels(backend.id).inc()
+        log.warning("backend %s: %s", backend.id, event.value)
 
     registry = Registry(config, on_health_change)
     for backend in registry.backends.values():
-        metrics.healthy.labels(backend.id).set(1)
-        metrics.in_flight.labels(backend.id).set_function(functools.partial(_in_flight, backend))
+        metrics.healthy.labels(backend.id).set_function(partial(_available, registry, backend))
+        metrics.in_flight.labels(backend.id).set_function(partial(_in_flight, backend))
     async with contextlib.AsyncExitStack() as resources:  # closed in reverse, also when start-up fails
-        upstream = Upstream(config.timeouts, config.limits.max_response_bytes)
+        upstream = Upstream(config.timeouts, failing_statuses(config.retry), config.limits.max_response_bytes)
         resources.push_async_callback(upstream.close)
         prefix = await build_prefix_services(config, registry, metrics)
         if prefix:
@@ -128,6 +131,10 @@ def _gateway_state(
         reject_internal_fields=config.limits.internal_fields == "reject",
     )
     return GatewayState(config, metrics, registry, handler, _models_body(config))
+
+
+def _available(registry: Registry, backend: BackendState) -> float:
+    return float(registry.available(backend))
 
 
 def create_app(config: GatewayConfig) -> FastAPI:

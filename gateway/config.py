@@ -193,19 +193,45 @@ class Timeouts(_Strict):
 
 class Limits(_Strict):
     max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
-    max_attempts: Annotated[int, Field(ge=1, le=10)] = 3
     # Fields only the gateway may set (kv_transfer_params): removed from client bodies, or refused with 400.
     internal_fields: Literal["strip", "reject"] = "strip"
     # A non-streamed backend reply larger than this is cut with a 502 instead of being buffered whole.
     max_response_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
 
 
+class Outlier(_Strict):
+    """Passive ejection from real traffic, as Envoy's outlier_detection (see gateway/outlier.py)."""
+
+    consecutive_5xx: Annotated[int, Field(ge=0)] = 5  # 0: off
+    consecutive_gateway_failure: Annotated[int, Field(ge=0)] = 5  # 0: off
+    base_ejection_time_s: Annotated[float, Field(gt=0)] = 30.0
+    max_ejection_time_s: Annotated[float, Field(gt=0)] = 300.0
+    max_ejection_percent: Annotated[float, Field(ge=0, le=100)] = 10.0
+    decay_interval_s: Annotated[float, Field(gt=0)] = 10.0
+
+
 class Health(_Strict):
     interval_s: Annotated[float, Field(gt=0)] = 2.0
     timeout_s: Annotated[float, Field(gt=0)] = 1.0
     failure_threshold: Annotated[int, Field(ge=1)] = 3
-    recovery_s: Annotated[float, Field(gt=0)] = 5.0
     metrics_interval_s: Annotated[float, Field(gt=0)] = 1.0
+    panic_threshold_percent: Annotated[float, Field(ge=0, le=100)] = 50.0
+    outlier: Outlier = Outlier()
+
+
+RetryOn = Literal[
+    "5xx", "gateway-error", "reset", "connect-failure", "retriable-4xx", "retriable-status-codes"
+]
+
+
+class Retry(_Strict):
+    """Which failed attempts go to another backend, as Envoy's retry_on (see gateway/retry.py)."""
+
+    retry_on: tuple[RetryOn, ...] = ("connect-failure", "reset", "5xx", "retriable-status-codes")
+    retriable_status_codes: tuple[Annotated[int, Field(ge=400, le=599)], ...] = (429,)
+    num_retries: Annotated[int, Field(ge=0, le=9)] = 2
+    budget_percent: Annotated[float, Field(ge=0, le=100)] = 20.0
+    min_retry_concurrency: Annotated[int, Field(ge=0)] = 3
 
 
 class Auth(_Strict):
@@ -226,6 +252,7 @@ class GatewayConfig(_Strict):
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
     health: Health = Health()
+    retry: Retry = Retry()
     auth: Auth = Auth()
 
     @model_validator(mode="after")

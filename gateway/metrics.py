@@ -64,6 +64,20 @@ class GatewayMetrics:
         self.healthy = Gauge(
             "hetgate:backend_healthy", "1 when the backend takes traffic", ["backend"], registry=r
         )
+        self.ejections = Counter(
+            "hetgate:backend_ejections", "Outlier ejections of a backend", ["backend"], registry=r
+        )
+        self.health_changes = Counter(
+            "hetgate:backend_health_changes",
+            "Changes of a backend's health (ejected, returned, probe_down, probe_up)",
+            ["backend", "event"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "hetgate:retry_budget_exhausted",
+            "Retries not made because the retry budget was spent",
+            registry=r,
+        )
         self.route_decisions = Counter(
             "hetgate:route_decisions", "Router decisions", ["model", "mode", "reason"], registry=r
         )

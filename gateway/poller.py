@@ -43,11 +43,10 @@ class Poller:
             await asyncio.sleep(interval_s)
 
     async def _probe_health(self, backend: BackendState) -> None:
+        # A probe decides only the probe state; passive (outlier) counts are not reset by a good probe.
         response = await self._get(backend, "/health")
-        if response is not None and response.status_code == 200:
-            self.registry.record_success(backend)
-        else:
-            self.registry.record_failure(backend)
+        self.registry.probe_result(backend, response is not None and response.status_code == 200)
+        self.registry.release_due()
 
     async def _scrape_metrics(self, backend: BackendState) -> None:
         # Health probing owns marking-down; on a failed scrape the last load stays (stale beats none).

@@ -1,8 +1,8 @@
 """Execute a RoutePlan: aggregated with retries, or prefill/decode as one transaction with fallbacks.
 
 Rules (see `../shared/docs/reliability-anchors.md`):
-- Retry on the next backend of the plan only before any byte reached the client, and only for connection
-  errors and 429/502/503/504; at most `limits.max_attempts` tries.
+- Retry on the next backend of the plan only before any byte reached the client, as `retry` says
+  (gateway/retry.py: `retry_on`, `num_retries`, retry budget); each attempt's outcome feeds outlier detection.
 - Once bytes were sent, a failure ends the stream on an event boundary with vLLM's in-band
   `data: {"error": ...}` event and `data: [DONE]`; nothing follows `[DONE]`; a backend stream that ends
   without `[DONE]` was cut and is reported the same way (gateway/sse.py cuts the events).
@@ -32,6 +32,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, NoBackend, UpstreamFailed, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.registry import BackendState, Registry, Reservation
+from gateway.retry import RetryPolicy
 from gateway.schemas import ParsedRequest
 from gateway.sse import EventCutter, EventTooLarge, UsageRewriter
 from gateway.upstream import Leg, LegFailed, Upstream
@@ -103,6 +104,7 @@ class Proxy:
         self.registry = registry
         self.upstream = upstream
         self.metrics = metrics
+        self.retry_policy = RetryPolicy(config.retry, registry, metrics)
 
     # -- aggregated -----------------------------------------------------------------------------------------
 
@@ -221,34 +223,36 @@ class Proxy:
         """
         last: LegFailed | None = None
         answered = False  # a decode backend saw these transfer parameters (it may have consumed the KV)
-        for i, backend in enumerate(order[: self.config.limits.max_attempts]):
-            if i > 0:
-                self.metrics.retries.labels(ex.request.model).inc()
-                if answered:
-                    self.metrics.decode_recomputes.labels(ex.request.model).inc()
-            data = body if isinstance(body, bytes) else body(backend)
-            if i == 0 and planned is not None and planned.backend is backend:
-                reservation = planned
-            else:
-                if planned is not None:
-                    planned.release()
-                reservation = self._reserve(ex, backend, leg_kind)
-            try:
-                leg = await self.upstream.open(backend, path, data, ex.request_id)
-                if leg_kind == "decode":
-                    await self._check_decode(ex, leg)
-            except LegFailed as failure:
-                reservation.release()  # this attempt is over: the backend no longer carries it
-                self._note_failure(backend, failure)
-                answered = answered or (leg_kind == "decode" and failure.kind != "connect")
-                if unreachable is not None and failure.kind == "connect":
-                    unreachable.append(backend)
-                last = failure
-                if not failure.retryable:
-                    break
-                continue
-            leg.reservation = reservation
-            return leg
+        with self.retry_policy.attempts() as tries:
+            for i, backend in enumerate(order):
+                if i > 0:
+                    self.metrics.retries.labels(ex.request.model).inc()
+                    if answered:
+                        self.metrics.decode_recomputes.labels(ex.request.model).inc()
+                data = body if isinstance(body, bytes) else body(backend)
+                if i == 0 and planned is not None and planned.backend is backend:
+                    reservation = planned
+                else:
+                    if planned is not None:
+                        planned.release()
+                    reservation = self._reserve(ex, backend, leg_kind)
+                try:
+                    leg = await self.upstream.open(backend, path, data, ex.request_id)
+                    if leg_kind == "decode":
+                        await self._check_decode(ex, leg)
+                except LegFailed as failure:
+                    reservation.release()  # this attempt is over: the backend no longer carries it
+                    tries.failed(backend, failure)
+                    answered = answered or (leg_kind == "decode" and failure.kind != "connect")
+                    if unreachable is not None and failure.kind == "connect":
+                        unreachable.append(backend)
+                    last = failure
+                    if not (failure.retryable and tries.should_retry(failure, i + 1, len(order))):
+                        break
+                    continue
+                tries.succeeded(backend, leg.response.status)
+                leg.reservation = reservation
+                return leg
         raise _final_error(last)
 
     async def _check_decode(self, ex: Exchange, leg: Leg) -> None:
@@ -267,9 +271,7 @@ class Proxy:
             raise LegFailed(failure.kind, retryable=failure.kind == "payload") from None
 
     def _note_failure(self, backend: BackendState, failure: LegFailed) -> None:
-        self.metrics.upstream_errors.labels(backend.id, failure.kind).inc()
-        if failure.status != 429:  # a busy backend is not a broken one
-            self.registry.record_failure(backend)
+        self.retry_policy.note(backend, failure)
 
     async def _read_tracked(self, leg: Leg) -> bytes:
         try:
@@ -291,10 +293,6 @@ class Proxy:
             await self._stream(ex, leg, send, headers, rewrite_cached)
             return
         body = leg.body if leg.body is not None else await self._read_tracked(leg)
-        if status >= 500:
-            self.registry.record_failure(leg.backend)
-        else:
-            self.registry.record_success(leg.backend)
         if rewrite_cached is not None and status == 200:
             body = UsageRewriter(rewrite_cached).rewrite_json(body)
         ex.responded = True

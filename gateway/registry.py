@@ -1,11 +1,14 @@
 """Backends, their health, and their live load.
 
-Health is a small circuit breaker per backend, fed by two sources:
-- active: the poller's GET /health (every `health.interval_s`);
-- passive: the outcome of real requests (connection errors, 5xx).
-`failure_threshold` consecutive failures mark a backend down. After `recovery_s` down it is half-open:
-one trial request may go through; its success (or a good probe) brings the backend back. Load is the
-gateway's own in-flight count plus what vLLM's /metrics said last (polled off the request path).
+Health has two independent sources, each owning its own state:
+- active: the poller's GET /health every `health.interval_s`; `failure_threshold` failed probes in a row
+  take a backend out (`probe_up` False), one good probe brings it back. A probe decides only this.
+- passive: outlier detection on real traffic (gateway/outlier.py, attributed by gateway/retry.py). A good
+  probe never resets it: a backend answering 500 to every generation while /health says 200 is ejected.
+A backend takes traffic when its probe is up and it is not ejected. Panic mode (as Envoy's): when fewer
+than `panic_threshold_percent` of a model's backends take traffic, all of them do, so that health
+checking can never turn a degraded pool into an empty one.
+Load is the gateway's own in-flight count plus what vLLM's /metrics said last (polled off the request path).
 Nothing here does I/O on the request path: `candidates()` only reads memory.
 """
 
@@ -13,10 +16,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from enum import Enum
 
 import numpy as np
 
 from gateway.config import BackendConfig, GatewayConfig, Health, ModelConfig
+from gateway.outlier import OutlierPool, OutlierState, Verdict
 from gateway.stats import VllmLoad
 from scoring.types import BackendSpec, Candidates, LegLoad, Role
 
@@ -32,17 +37,23 @@ class Reserved:
         self.context_tokens = 0  # prompt tokens whose KV those sequences hold
 
 
+class HealthEvent(Enum):
+    EJECTED = "ejected"
+    RETURNED = "returned"
+    PROBE_DOWN = "probe_down"
+    PROBE_UP = "probe_up"
+
+
 class BackendState:
     __slots__ = (
         "config",
-        "down_since",
-        "failures",
-        "healthy",
         "in_flight",
         "load",
+        "outlier",
+        "probe_failures",
+        "probe_up",
         "reserved",
         "spec",
-        "trial_in_flight",
         "upstream_key",
     )
 
@@ -58,10 +69,9 @@ class BackendState:
             block_size=config.block_size,
         )
         self.upstream_key = config.upstream_key()
-        self.healthy = True
-        self.failures = 0
-        self.down_since = 0.0
-        self.trial_in_flight = False
+        self.probe_up = True
+        self.probe_failures = 0
+        self.outlier = OutlierState(config.id)
         self.in_flight = 0
         self.reserved = Reserved()
         self.load = VllmLoad()
@@ -70,11 +80,10 @@ class BackendState:
     def id(self) -> str:
         return self.config.id
 
-    def available(self, now: float, recovery_s: float) -> bool:
-        """Healthy, or down long enough that one half-open trial may go through."""
-        if self.healthy:
-            return True
-        return not self.trial_in_flight and now - self.down_since >= recovery_s
+    def available(self, now: float) -> bool:
+        """Takes traffic outside panic mode: its probe is up and it is not ejected."""
+        until = self.outlier.ejected_until  # OutlierState.ejected inlined: this runs per backend per request
+        return self.probe_up and (until is None or now >= until)
 
 
 class Reservation:
@@ -121,22 +130,30 @@ class Reservation:
 class ModelPool:
     """The backends of one model, with the arrays that never change precomputed."""
 
-    def __init__(self, model: ModelConfig, backends: list[BackendState]) -> None:
+    def __init__(self, model: ModelConfig, backends: list[BackendState], health: Health) -> None:
         self.model = model
         self.backends = backends
+        self.outliers = OutlierPool(health.outlier, [b.outlier for b in backends])
+        self._panic_below = len(backends) * health.panic_threshold_percent / 100
+        self._everyone = np.ones(len(backends), dtype=bool)
         self.specs = tuple(b.spec for b in backends)
         self.block_sizes = tuple(sorted({b.spec.block_size for b in backends}))
         self._can_prefill = np.array([Role.PREFILL in s.roles for s in self.specs], dtype=bool)
         self._can_decode = np.array([Role.DECODE in s.roles for s in self.specs], dtype=bool)
         self._capacity = np.array([s.max_num_seqs for s in self.specs], dtype=float)
 
-    def candidates(
-        self, now: float, recovery_s: float, cached_tokens: np.ndarray | None = None
-    ) -> Candidates:
+    def routable(self, now: float) -> np.ndarray:
+        """Who may get traffic: the available backends, or all of them in panic mode."""
+        available = [b.available(now) for b in self.backends]  # a list: cheaper than np.fromiter here
+        if available.count(True) < self._panic_below:
+            return self._everyone
+        return np.array(available, dtype=bool)
+
+    def candidates(self, now: float, cached_tokens: np.ndarray | None = None) -> Candidates:
         n = len(self.backends)
         return Candidates(
             specs=self.specs,
-            healthy=np.fromiter((b.available(now, recovery_s) for b in self.backends), dtype=bool, count=n),
+            healthy=self.routable(now),
             can_prefill=self._can_prefill,
             can_decode=self._can_decode,
             load=np.fromiter(
@@ -154,48 +171,76 @@ class Registry:
     def __init__(
         self,
         config: GatewayConfig,
-        on_health_change: Callable[[BackendState], None] | None = None,
+        on_health_change: Callable[[BackendState, HealthEvent], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.health_settings: Health = config.health
         self.backends = {b.id: BackendState(b) for b in config.backends}
         self.pools = {
-            m.name: ModelPool(m, [self.backends[b.id] for b in config.backends_of(m.name)])
+            m.name: ModelPool(m, [self.backends[b.id] for b in config.backends_of(m.name)], config.health)
             for m in config.models
         }
-        self._on_health_change = on_health_change or (lambda _state: None)
+        self._on_health_change = on_health_change or (lambda _state, _event: None)
         self._clock = clock
 
     def pool(self, model: str) -> ModelPool | None:
         return self.pools.get(model)
 
     def candidates(self, pool: ModelPool, cached_tokens: np.ndarray | None = None) -> Candidates:
-        return pool.candidates(self._clock(), self.health_settings.recovery_s, cached_tokens)
+        return pool.candidates(self._clock(), cached_tokens)
 
     def reserve(self, backend: BackendState, load: LegLoad) -> Reservation:
         """Hold `load` on `backend` until the reservation is released (see Reservation)."""
-        if not backend.healthy:
-            backend.trial_in_flight = True  # this request is the half-open trial
         return Reservation(backend, load)
 
-    def record_success(self, backend: BackendState) -> None:
-        backend.failures = 0
-        backend.trial_in_flight = False
-        if not backend.healthy:
-            backend.healthy = True
-            self._on_health_change(backend)
+    def available(self, backend: BackendState) -> bool:
+        return backend.available(self._clock())
 
-    def record_failure(self, backend: BackendState) -> None:
-        backend.failures += 1
-        if not backend.healthy:
-            # A failed half-open trial restarts the recovery wait.
-            backend.trial_in_flight = False
-            backend.down_since = self._clock()
-        elif backend.failures >= self.health_settings.failure_threshold:
-            backend.healthy = False
-            backend.down_since = self._clock()
-            self._on_health_change(backend)
+    def in_flight_total(self) -> int:
+        return sum(b.in_flight for b in self.backends.values())
+
+    # -- passive: verdicts on real requests (attributed by gateway/retry.py) --------------------------------
+
+    def record_success(self, backend: BackendState) -> None:
+        outlier = backend.outlier
+        if outlier.consecutive_5xx == 0 and outlier.ejected_until is None:
+            return  # the common case, nothing to reset (a gateway failure counts toward consecutive_5xx too)
+        self._record(backend, Verdict.SUCCESS)
+
+    def record_failure(self, backend: BackendState, verdict: Verdict) -> None:
+        self._record(backend, verdict)
+
+    def _record(self, backend: BackendState, verdict: Verdict) -> None:
+        now = self._clock()
+        outliers = self.pools[backend.config.model].outliers
+        self._release(outliers, now)
+        if outliers.record(backend.outlier, verdict, now):
+            self._on_health_change(backend, HealthEvent.EJECTED)
+
+    def release_due(self) -> None:
+        """Bring back ejected backends whose time is over (routing already sees them back; this tells)."""
+        now = self._clock()
+        for pool in self.pools.values():
+            self._release(pool.outliers, now)
+
+    def _release(self, outliers: OutlierPool, now: float) -> None:
+        for member in outliers.release_due(now):
+            self._on_health_change(self.backends[member.key], HealthEvent.RETURNED)
+
+    # -- active: the poller's /health probes -----------------------------------------------------------------
+
+    def probe_result(self, backend: BackendState, ok: bool) -> None:
+        if ok:
+            backend.probe_failures = 0
+            if not backend.probe_up:
+                backend.probe_up = True
+                self._on_health_change(backend, HealthEvent.PROBE_UP)
+            return
+        backend.probe_failures += 1
+        if backend.probe_up and backend.probe_failures >= self.health_settings.failure_threshold:
+            backend.probe_up = False
+            self._on_health_change(backend, HealthEvent.PROBE_DOWN)
 
     def any_ready(self, model: str) -> bool:
-        pool = self.pools[model]
-        return any(b.healthy for b in pool.backends)
+        """Some backend answers its probes (ejected ones count: panic mode would route to them)."""
+        return any(b.probe_up for b in self.pools[model].backends)

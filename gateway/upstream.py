@@ -21,17 +21,16 @@ import aiohttp
 from gateway.config import Timeouts
 from gateway.registry import BackendState, Reservation
 
-# Retried on another backend, and only before any byte reached the client.
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
 _ERROR_BODY_BYTES = 64 * 1024  # a backend's error body relayed to the client is at most this long
 
 
 class LegFailed(Exception):
-    """A leg that produced no usable response. `retryable` says whether another backend may be tried."""
+    """A leg that produced no usable response. `retryable`: it failed before the response headers, so
+    another backend may be tried if `retry.retry_on` says so (gateway/retry.py)."""
 
     def __init__(self, kind: str, retryable: bool, status: int = 502, body: bytes | None = None) -> None:
         super().__init__(kind)
-        self.kind = kind  # connect | timeout | status | redirect | payload | too_large
+        self.kind = kind  # connect | reset | timeout | status | redirect | payload | too_large
         self.retryable = retryable
         self.status = status
         self.body = body
@@ -83,8 +82,14 @@ class Leg:
 
 
 class Upstream:
-    def __init__(self, timeouts: Timeouts, max_response_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        timeouts: Timeouts,
+        failing_statuses: frozenset[int],
+        max_response_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
         self.timeouts = timeouts
+        self.failing_statuses = failing_statuses  # answered as LegFailed("status"): see gateway/retry.py
         self.max_response_bytes = max_response_bytes
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
@@ -108,12 +113,14 @@ class Upstream:
                 response = await self.session.post(
                     backend.config.base_url + path, data=body, headers=headers, allow_redirects=False
                 )
-        except aiohttp.ClientConnectionError:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
             raise LegFailed("connect", retryable=True) from None
+        except aiohttp.ClientError:
+            raise LegFailed("reset", retryable=True) from None
         except TimeoutError:
-            raise LegFailed("timeout", retryable=False, status=504) from None
+            raise LegFailed("timeout", retryable=True, status=504) from None
         status = response.status
-        if status in RETRY_STATUSES:
+        if status in self.failing_statuses:
             payload = await self._read_quietly(response)
             raise LegFailed("status", retryable=True, status=status, body=payload)
         if 300 <= status < 400:

@@ -84,7 +84,7 @@ def gateway_config(
         "backends": backends,
         "routing": {"policy": "round_robin", "disaggregation": "never", **routing},
         # Fast detection so the failover test does not wait long; probes are cheap on loopback.
-        "health": {"interval_s": 0.5, "timeout_s": 2.0, "failure_threshold": 1, "recovery_s": 30.0},
+        "health": {"interval_s": 0.5, "timeout_s": 2.0, "failure_threshold": 1},
         "timeouts": {"connect_s": 2.0, "ttfb_s": 120.0, "idle_s": 60.0},
     }
 

@@ -55,7 +55,7 @@ def config(backends: list[dict], **sections: Any) -> dict:
         "backends": backends,
         "routing": {"policy": "round_robin", "disaggregation": "never"},
         "timeouts": {"connect_s": 1.0, "ttfb_s": 5.0, "idle_s": 5.0},
-        "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2, "recovery_s": 0.5},
+        "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
     }
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}

@@ -65,10 +65,10 @@ def test_chunked_body_over_the_limit_is_413(one):
     assert requests_seen(server) == 0
 
 
-# -- retries: only before the first byte, only connection errors and 429/502/503/504 -----------------------
+# -- retries: only before the first byte, on what retry.retry_on names (default: connection, 5xx, 429) -----
 
 
-@pytest.mark.parametrize("status", [429, 502, 503, 504])
+@pytest.mark.parametrize("status", [429, 500, 502, 503, 504])
 def test_retryable_status_goes_to_the_next_backend(sim, gateway, status):
     bad, good = sim(), sim()
     bad.set_faults({"error_status": status})
@@ -80,7 +80,7 @@ def test_retryable_status_goes_to_the_next_backend(sim, gateway, status):
     assert metric(gw.url, "hetgate:retries_total") >= 1
 
 
-@pytest.mark.parametrize("status", [400, 500])
+@pytest.mark.parametrize("status", [400, 409])
 def test_other_statuses_are_relayed_not_retried(sim, gateway, status):
     bad, good = sim(), sim()
     bad.set_faults({"error_status": status})
@@ -111,10 +111,24 @@ def test_all_backends_failing_gives_the_last_error(sim, gateway):
     assert "error" in r.json()
 
 
-def test_stall_before_first_byte_is_a_504_without_retry(sim, gateway):
+def test_stall_before_first_byte_is_retried_elsewhere(sim, gateway):
     slow, fast = sim(), sim()
     slow.set_faults({"first_byte_delay_s": 3})
     gw = gateway(config([backend(slow, "slow"), backend(fast, "fast")], timeouts={"ttfb_s": 0.5}))
+    statuses = [post(gw, chat_body()).status_code for _ in range(2)]
+    assert statuses == [200, 200]
+    assert metric(gw.url, "hetgate:upstream_errors_total", backend="slow", kind="timeout") == 1
+
+
+def test_stall_before_first_byte_is_a_504_when_timeouts_are_not_retried(sim, gateway):
+    slow, fast = sim(), sim()
+    slow.set_faults({"first_byte_delay_s": 3})
+    cfg = config(
+        [backend(slow, "slow"), backend(fast, "fast")],
+        timeouts={"ttfb_s": 0.5},
+        retry={"retry_on": ["connect-failure"]},
+    )
+    gw = gateway(cfg)
     statuses = [post(gw, chat_body()).status_code for _ in range(2)]
     assert sorted(statuses) == [200, 504]
 
@@ -242,19 +256,25 @@ def test_failed_decode_falls_back_to_aggregated(sim, gateway):
     assert all(r.startswith(("mode=pd; prefill=p; decode=spare", "mode=aggregated")) for r in routes)
 
 
-# -- health: passive marking-down, active probes, half-open recovery ---------------------------------------
+# -- health: passive ejection, active probes, return after the ejection time (more in tests/faults) ---------
 
 
 def test_failing_backend_is_marked_down_then_recovers(sim, gateway):
     flaky, good = sim(), sim()
-    gw = gateway(config([backend(flaky, "flaky"), backend(good, "good")], health={"interval_s": 60}))
+    outlier = {"consecutive_gateway_failure": 2, "base_ejection_time_s": 3}
+    health = {"interval_s": 60, "outlier": outlier}
+    gw = gateway(config([backend(flaky, "flaky"), backend(good, "good")], health=health))
     flaky.set_faults({"error_status": 502})
     for _ in range(6):
         assert post(gw, chat_body()).status_code == 200
     assert metric(gw.url, "hetgate:backend_healthy", backend="flaky") == 0
+    assert metric(gw.url, "hetgate:backend_ejections_total", backend="flaky") == 1
     flaky.set_faults({})
-    time.sleep(0.6)  # recovery_s: one half-open trial goes through and brings it back
-    routes = [post(gw, chat_body()).headers["x-hetgate-route"] for _ in range(4)]
+    deadline = time.monotonic() + 10  # base_ejection_time_s: then it takes traffic again
+    routes: list[str] = []
+    while "mode=aggregated; backend=flaky" not in routes and time.monotonic() < deadline:
+        routes.append(post(gw, chat_body()).headers["x-hetgate-route"])
+        time.sleep(0.1)
     assert "mode=aggregated; backend=flaky" in routes
     assert metric(gw.url, "hetgate:backend_healthy", backend="flaky") == 1
 

@@ -1,9 +1,10 @@
-"""The per-backend circuit breaker: consecutive failures mark down, half-open trial, recovery."""
+"""Backend health in the registry: active probes and passive ejection kept apart, panic mode, load."""
 
 from __future__ import annotations
 
 from gateway.config import parse_config
-from gateway.registry import Registry
+from gateway.outlier import Verdict
+from gateway.registry import HealthEvent, Registry
 from scoring.types import LegLoad
 
 LOAD = LegLoad(prefill_tokens=0, decode_tokens=1, context_tokens=0)
@@ -17,66 +18,102 @@ class Clock:
         return self.now
 
 
-def registry(clock: Clock) -> Registry:
+def registry(clock: Clock, n: int = 2, **health: object) -> tuple[Registry, list[tuple[str, HealthEvent]]]:
     config = parse_config(
         {
             "models": [{"name": "m"}],
             "backends": [
-                {"id": "a", "url": "http://127.0.0.1:1", "model": "m", "accelerator": "cpu"},
-                {"id": "b", "url": "http://127.0.0.1:2", "model": "m", "accelerator": "cpu"},
+                {"id": f"b{i}", "url": f"http://127.0.0.1:{i + 1}", "model": "m", "accelerator": "cpu"}
+                for i in range(n)
             ],
-            "health": {"failure_threshold": 2, "recovery_s": 5},
+            "health": {
+                "failure_threshold": 2,
+                "outlier": {"consecutive_5xx": 3, "base_ejection_time_s": 10, "max_ejection_percent": 50},
+                **health,
+            },
         }
     )
-    return Registry(config, clock=clock)
+    events: list[tuple[str, HealthEvent]] = []
+    return Registry(config, lambda b, e: events.append((b.id, e)), clock=clock), events
 
 
-def test_consecutive_failures_mark_down_and_success_resets():
+def routable(reg: Registry) -> list[bool]:
+    return reg.candidates(reg.pools["m"]).healthy.tolist()
+
+
+def test_failed_probes_in_a_row_take_a_backend_out_and_one_good_probe_brings_it_back():
+    reg, events = registry(Clock(), n=4)
+    b0 = reg.backends["b0"]
+    reg.probe_result(b0, False)
+    reg.probe_result(b0, True)
+    reg.probe_result(b0, False)
+    assert routable(reg)[0]
+    reg.probe_result(b0, False)
+    assert routable(reg) == [False, True, True, True]
+    assert reg.any_ready("m")  # three others still answer
+    reg.probe_result(b0, True)
+    assert routable(reg) == [True] * 4
+    assert events == [("b0", HealthEvent.PROBE_DOWN), ("b0", HealthEvent.PROBE_UP)]
+
+
+def test_good_probes_do_not_reset_passive_failures():
     clock = Clock()
-    reg = registry(clock)
-    a = reg.backends["a"]
-    reg.record_failure(a)
-    reg.record_success(a)
-    reg.record_failure(a)
-    assert a.healthy
-    reg.record_failure(a)
-    assert not a.healthy
-    assert reg.candidates(reg.pools["m"]).healthy.tolist() == [False, True]
+    reg, events = registry(clock)
+    b0 = reg.backends["b0"]
+    for _ in range(3):
+        reg.probe_result(b0, True)  # /health says 200 between every failed generation
+        reg.record_failure(b0, Verdict.ERROR)
+    assert routable(reg) == [False, True]
+    assert events == [("b0", HealthEvent.EJECTED)]
+    assert reg.any_ready("m")  # ejection is not unreadiness
+    clock.now += 10
+    assert routable(reg) == [True, True]  # routing sees it back at once ...
+    reg.release_due()
+    assert events[-1] == ("b0", HealthEvent.RETURNED)  # ... the event comes with the next tick
 
 
-def test_half_open_lets_one_trial_through_after_recovery_time():
-    clock = Clock()
-    reg = registry(clock)
-    a = reg.backends["a"]
-    reg.record_failure(a)
-    reg.record_failure(a)
-    clock.now += 4.9
-    assert not a.available(clock(), 5)
-    clock.now += 0.2
-    assert a.available(clock(), 5)
-    trial = reg.reserve(a, LOAD)  # the trial
-    assert not a.available(clock(), 5)
-    reg.record_failure(a)  # trial failed: wait again
-    trial.release()
-    assert not a.available(clock(), 5)
-    clock.now += 5
-    trial = reg.reserve(a, LOAD)
-    reg.record_success(a)
-    trial.release()
-    assert a.healthy and a.available(clock(), 5)
+def test_passive_successes_do_not_bring_back_a_probe_down_backend():
+    reg, _ = registry(Clock())
+    b0 = reg.backends["b0"]
+    reg.probe_result(b0, False)
+    reg.probe_result(b0, False)
+    reg.record_success(b0)
+    assert routable(reg) == [False, True]
+
+
+def test_panic_mode_routes_to_all_when_too_few_are_healthy():
+    reg, _ = registry(Clock(), n=4)
+    for i in range(2):
+        for _ in range(2):
+            reg.probe_result(reg.backends[f"b{i}"], False)
+    assert routable(reg) == [False, False, True, True]  # 50 %: not below the threshold
+    reg.probe_result(reg.backends["b2"], False)
+    reg.probe_result(reg.backends["b2"], False)
+    assert routable(reg) == [True] * 4  # 25 % < 50 %: panic
+
+
+def test_panic_threshold_zero_never_panics():
+    reg, _ = registry(Clock(), n=2, panic_threshold_percent=0)
+    for backend in reg.backends.values():
+        reg.probe_result(backend, False)
+        reg.probe_result(backend, False)
+    assert routable(reg) == [False, False]
+    assert not reg.any_ready("m")
+
 
 
 def test_load_combines_own_in_flight_with_reported_queue():
-    reg = registry(Clock())
-    a = reg.backends["a"]
-    reg.reserve(a, LOAD)
-    reg.reserve(a, LOAD)
+    reg, _ = registry(Clock())
+    b0 = reg.backends["b0"]
+    reg.reserve(b0, LOAD)
+    reg.reserve(b0, LOAD)
     assert reg.candidates(reg.pools["m"]).load.tolist() == [2.0, 0.0]
+    assert reg.in_flight_total() == 2
 
 
 def test_reservation_adds_its_load_and_takes_it_off_once():
-    reg = registry(Clock())
-    a = reg.backends["a"]
+    reg, _ = registry(Clock())
+    a = reg.backends["b0"]
     first = reg.reserve(a, LegLoad(prefill_tokens=100, decode_tokens=8, context_tokens=120))
     second = reg.reserve(a, LegLoad(prefill_tokens=10, decode_tokens=4, context_tokens=30))
     totals = (a.in_flight, a.reserved.prefill_tokens, a.reserved.decode_seqs, a.reserved.context_tokens)
