@@ -26,6 +26,7 @@ from gateway.registry import BackendState, Registry
 from gateway.schemas import Kind
 from gateway.upstream import Upstream
 from scoring.catalog import load_catalog
+from scoring.cost_policy import Slo
 from scoring.router import build_router
 from scoring.types import Router
 
@@ -61,6 +62,8 @@ def build_routers(config: GatewayConfig) -> dict[str, Router]:
             knobs = routing.prefix.model_dump()
         elif routing.policy == "cost":
             knobs = {"model": load_catalog().model(model.spec or "")}
+            if model.slo is not None:
+                knobs["slo"] = Slo(model.slo.ttft_s, model.slo.tpot_s)
         routers[model.name] = build_router(
             routing.policy, routing.disaggregation, routing.pd_min_prompt_tokens, **knobs
         )

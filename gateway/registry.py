@@ -18,7 +18,8 @@ import numpy as np
 
 from gateway.config import BackendConfig, GatewayConfig, Health, ModelConfig
 from gateway.stats import VllmLoad
-from scoring.types import BackendSpec, Candidates, Role
+from scoring.load import Reserved, load_columns
+from scoring.types import BackendSpec, Candidates, LegLoad, Role
 
 
 class BackendState:
@@ -29,6 +30,7 @@ class BackendState:
         "healthy",
         "in_flight",
         "load",
+        "reserved",
         "spec",
         "trial_in_flight",
         "upstream_key",
@@ -51,6 +53,7 @@ class BackendState:
         self.down_since = 0.0
         self.trial_in_flight = False
         self.in_flight = 0
+        self.reserved = Reserved()  # the work of the legs in flight, taken at plan time (`reserve`)
         self.load = VllmLoad()
 
     @property
@@ -62,6 +65,30 @@ class BackendState:
         if self.healthy:
             return True
         return not self.trial_in_flight and now - self.down_since >= recovery_s
+
+
+class Reservation:
+    """One leg's share of a backend's load; `prefill_done` and `release` are idempotent."""
+
+    __slots__ = ("_backend", "_load", "_prefilled", "_released")
+
+    def __init__(self, backend: BackendState, load: LegLoad) -> None:
+        self._backend = backend
+        self._load = load
+        self._prefilled = False
+        self._released = False
+
+    def prefill_done(self) -> None:
+        """The backend's first byte (or prefill result) arrived: its prefill work is over."""
+        if not self._prefilled and not self._released:
+            self._prefilled = True
+            self._backend.reserved.prefill_done(self._load)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._backend.in_flight -= 1
+            self._backend.reserved.release(self._load, prefill_pending=not self._prefilled)
 
 
 class ModelPool:
@@ -80,19 +107,23 @@ class ModelPool:
         self, now: float, recovery_s: float, cached_tokens: np.ndarray | None = None
     ) -> Candidates:
         n = len(self.backends)
+        rows = np.array(
+            [
+                (b.in_flight, b.load.running, b.load.waiting, b.reserved.prefill_tokens,
+                 b.reserved.prefill_seqs, b.reserved.decode_seqs, b.reserved.context_tokens)
+                for b in self.backends
+            ],
+            dtype=float,
+        ).reshape(n, 7)  # fmt: skip
         return Candidates(
             specs=self.specs,
             healthy=np.fromiter((b.available(now, recovery_s) for b in self.backends), dtype=bool, count=n),
             can_prefill=self._can_prefill,
             can_decode=self._can_decode,
-            load=np.fromiter(
-                (max(b.in_flight, b.load.running) + b.load.waiting for b in self.backends),
-                dtype=float,
-                count=n,
-            ),
             capacity=self._capacity,
             kv_usage=np.fromiter((b.load.kv_usage for b in self.backends), dtype=float, count=n),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
+            **load_columns(*rows.T),  # the one load formula, as the simulator uses it
         )
 
 
@@ -117,6 +148,12 @@ class Registry:
 
     def candidates(self, pool: ModelPool, cached_tokens: np.ndarray | None = None) -> Candidates:
         return pool.candidates(self._clock(), self.health_settings.recovery_s, cached_tokens)
+
+    def reserve(self, backend: BackendState, load: LegLoad) -> Reservation:
+        """Count a planned leg on `backend` now (not when its leg opens), with the work it brings."""
+        backend.in_flight += 1
+        backend.reserved.add(load)
+        return Reservation(backend, load)
 
     def begin(self, backend: BackendState) -> None:
         backend.in_flight += 1

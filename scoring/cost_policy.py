@@ -1,45 +1,106 @@
-"""The `cost` policy: rank backends by predicted time to first token on their own hardware.
+"""The `cost` policy: price every plan in seconds, keep the SLO, spend the least of the cluster.
 
-For every candidate at once (numpy over backends):
+For one request (prompt P, cached c_i on backend i, up to M output tokens), all vectorised with numpy:
 
-    predicted_ttft = correction * prefill_time(uncached prompt tokens, after the cached ones) * (1 + load)
+* **Aggregated on b**: TTFT = k_b * (queue_b + prefill_b(P - c_b after c_b)); TPOT = j_b * decode step of
+  b at its batch + 1 and its context + this request's.
+* **Prefill on p, decode on d** (p != d, p may prefill, d may decode): TTFT = k_p * (queue_p + prefill_p)
+  + t_pd * KV transfer of P tokens over the pair's slower link + TPOT_d (the first decode step);
+  TPOT = j_d * decode step of d as above.
 
-- `prefill_time` is the roofline of `scoring/cost.py` on the backend's accelerator and GPU count: a
-  compute-rich backend (MI300X, Rubin CPX) prefills a long prompt several times faster than a
-  bandwidth-rich, compute-poor one (MI308X), and a cached prefix makes the prompt shorter.
-- `(1 + load)`: each request in flight or waiting ahead costs about one more prefill of this size; it is
-  a deliberately simple queue estimate that keeps a fast backend from being buried.
-- `correction` is learnt online per backend: an exponentially weighted mean of measured TTFT over the
-  predicted, queue-free TTFT of finished requests (`observe`), clipped to [0.1, 10]. It absorbs what
-  the roofline cannot know (kernels, quantisation, a noisy neighbour).
+`queue`, `prefill` and the decode step are `scoring/load.py`'s one load formula over the backend's
+reserved and reported work; prefill and transfer are `scoring/cost.py`'s roofline. Each plan also has a
+**cluster cost**: the seconds of work it adds (own prefill on its prefill backend; M times the marginal
+decode step on its decode backend), each backend's seconds weighted by its compute (its dense FLOP/s
+over the cluster's largest), so the plan that uses the least of the cluster's compute wins, and a
+compute-rich backend is not spent on work a compute-poor one does as well (decode on a bandwidth-rich,
+compute-poor backend is cheap; prefill costs about the same FLOPs anywhere).
 
-Ties (equal predictions) keep the rotation order, so identical backends share the load.
+**The choice.** Plans that meet the SLO (TTFT <= `ttft_s`, TPOT <= `tpot_s`, and the decode backend's
+KV holds the request) are feasible. Among them, those whose cost is within `cost_tolerance` of the
+cheapest, and of these the one that finishes first (TTFT + M * TPOT). Without a feasible plan, the one
+that finishes first. The SLO comes from the model's config (`slo: {ttft_s, tpot_s}`), the request
+(`RequestFeatures.slo_*`), or by default 5x the unloaded TTFT and 3x the unloaded TPOT of the fastest
+backend for this request (DistServe-style goodput SLO).
 
-With `disaggregation: auto`, `split_pays` decides each split by the same prediction: prefill on the
-prefill backend plus the KV transfer (`kv_transfer_time` over the slower side's link) against prefill on
-the decode backend itself, its queue and cached prefix included.
+**Roles.** Aggregated plans run on backends that may both prefill and decode (when there is none, on
+any healthy decode backend). A backend with both roles may be p in one plan and d in the next, so the
+prefill:decode ratio follows the traffic; a backend with one role only ever takes that role. `never`
+prices aggregated plans only; `always` split plans only (aggregated when no pair is healthy); `auto`
+both, splitting only when the decoder lacks at least `pd_min_prompt_tokens` of the prompt.
+
+**Calibration** (`observe`, outcomes built by `scoring/outcome.py`): k_b corrects the compute part
+only: (measured TTFT - the queue wait predicted at plan time) / the compute predicted at plan time,
+credited to the backend that prefilled (the prefill leg of a split is measured on its own). t_pd corrects
+the transfer per (prefill, decode) pair from the decode leg's time to first token; j_b the decode step
+from measured TPOT. Each moves by `learning_rate` of its relative error, clipped to [0.1, 10].
+
+Ties keep a rotating order, so identical backends share the load.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from scoring.catalog import Catalog, ModelSpec, load_catalog
-from scoring.cost import (
-    DEFAULT_EFFICIENCY,
-    Efficiency,
-    Hardware,
-    decode_step_time,
-    kv_transfer_time,
-    prefill_time,
+from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time
+from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel
+from scoring.router import Rotation, SimpleRanker, SplitSettings
+from scoring.types import (
+    BackendSpec,
+    Candidates,
+    Disaggregation,
+    Leg,
+    Mode,
+    Outcome,
+    Prediction,
+    RequestFeatures,
+    RoutePlan,
 )
-from scoring.types import BackendSpec, Candidates, Outcome, RequestFeatures
+
+_CLIP = (0.1, 10.0)
 
 
-class CostRanker:
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Absolute targets in seconds (None: relative to the fastest backend, `*_factor` times unloaded)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    ttft_factor: float = 5.0
+    tpot_factor: float = 3.0
+
+
+@dataclass(slots=True)
+class _Cluster:
+    """What never changes for one set of backends: hardware rows, prices, per-pair transfer times."""
+
+    specs: tuple[BackendSpec, ...]
+    work: WorkModel
+    price: np.ndarray  # compute weight of one second on each backend
+    transfer_per_token: np.ndarray  # [p, d] seconds per KV token, without the fixed latency
+    transfer_latency: np.ndarray  # [p, d]
+
+
+@dataclass(slots=True)
+class _Priced:
+    wait: np.ndarray
+    compute: np.ndarray
+    tpot: np.ndarray
+    first_step: np.ndarray  # after a split: the decoder's step in progress, then its first decode step
+    decode_cost: np.ndarray
+    kv_ok: np.ndarray
+
+
+class CostRanker(SimpleRanker):
     name = "cost"
+    uses_prefix_index = True
+    ranks_decode = True
+    judges_split = True
+    learns = True
 
     def __init__(
         self,
@@ -47,77 +108,253 @@ class CostRanker:
         catalog: Catalog | None = None,
         efficiency: Efficiency = DEFAULT_EFFICIENCY,
         learning_rate: float = 0.1,
+        slo: Slo | None = None,
+        cost_tolerance: float = 0.1,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         self.model = model
         self.catalog = catalog or load_catalog()
         self.efficiency = efficiency
         self.learning_rate = learning_rate
-        self._turn = itertools.count()
-        self._hardware: dict[tuple[str, ...], Hardware] = {}
-        self._correction: dict[str, float] = {}
-        self._specs: dict[str, BackendSpec] = {}
+        self.slo = slo or Slo()
+        self.cost_tolerance = cost_tolerance
+        self.chunk_tokens = chunk_tokens
+        self._rotate = Rotation()
+        self._clusters: dict[tuple[str, ...], _Cluster] = {}
+        self._correction: dict[str, float] = {}  # compute (prefill and queue) per backend
+        self._decode_correction: dict[str, float] = {}
+        self._pair_correction: dict[tuple[str, str], float] = {}
+
+    # --- pricing ---------------------------------------------------------------------------------------
+    def _price(self, request: RequestFeatures, c: Candidates, cl: _Cluster) -> _Priced:
+        work = cl.work
+        prompt, out = request.prompt_tokens, max(request.max_tokens, 1)
+        k = np.fromiter((self._correction.get(s.id, 1.0) for s in c.specs), float, len(c.specs))
+        j = np.fromiter((self._decode_correction.get(s.id, 1.0) for s in c.specs), float, len(c.specs))
+        seqs, context = c.decode_seqs, work.context(c.context_tokens, c.kv_usage)
+        cached = np.minimum(c.cached_tokens, max(prompt - 1, 0))  # vLLM recomputes the last token
+        new = prompt - cached
+        wait = k * work.queue_s(c.prefill_tokens, c.prefill_len, seqs, context)
+        compute = k * work.prefill_s(new, cached, seqs, context)
+        own = prompt + out / 2.0
+        step = j * work.tpot_s(seqs + 1.0, context + own)
+        base = np.where(seqs > 0, j * work.tpot_s(seqs, context), 0.0)
+        decode_cost = out * np.maximum(step - base, 0.0)
+        # Chunked prefill shares the decode steps: the prefill queued here stretches them (taken as
+        # the backend's ongoing prefill traffic), and a split's first token waits for one chunk.
+        tpot = step + wait / out
+        chunk_share = np.minimum(1.0, self.chunk_tokens / np.maximum(c.prefill_tokens, 1.0))
+        first_step = step + wait * chunk_share
+        kv_ok = context + prompt + out <= 0.95 * work.kv_capacity
+        return _Priced(wait, compute, tpot, first_step, decode_cost, kv_ok)
 
     def predicted_ttft(self, request: RequestFeatures, candidates: Candidates) -> np.ndarray:
-        hw = self._hardware_of(candidates.specs)
-        cached = np.minimum(candidates.cached_tokens, request.prompt_tokens)
-        new = np.maximum(request.prompt_tokens - cached, 1)
-        prefill = prefill_time(self.model, hw, new, cached, self.efficiency)
-        correction = np.array([self._correction.get(s.id, 1.0) for s in candidates.specs])
-        return correction * prefill * (1.0 + candidates.load)
+        """Aggregated TTFT on every backend (queue and own prefill, corrected)."""
+        p = self._price(request, candidates, self._cluster(candidates.specs))
+        return p.wait + p.compute
 
-    def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        eligible = np.flatnonzero(mask)
-        if eligible.size < 2:
-            return eligible
-        k = next(self._turn) % eligible.size
-        rotated = np.concatenate((eligible[k:], eligible[:k]))
-        return rotated[np.argsort(self.predicted_ttft(request, candidates)[rotated], kind="stable")]
+    def _targets(self, request: RequestFeatures, cl: _Cluster, healthy: np.ndarray) -> tuple[float, float]:
+        ttft = request.slo_ttft_s or self.slo.ttft_s
+        tpot = request.slo_tpot_s or self.slo.tpot_s
+        if ttft is None or tpot is None:
+            rows = healthy if healthy.any() else np.ones_like(healthy)
+            prompt = float(request.prompt_tokens)
+            zero = np.zeros(len(cl.specs))
+            if ttft is None:
+                alone = cl.work.prefill_s(np.full(len(cl.specs), prompt), zero, zero, zero)
+                ttft = self.slo.ttft_factor * float(alone[rows].min())
+            if tpot is None:
+                step = cl.work.tpot_s(np.ones(len(cl.specs)), np.full(len(cl.specs), prompt + 1.0))
+                tpot = self.slo.tpot_factor * float(step[rows].min())
+        return ttft, tpot
 
-    def rank_decode(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        """Backends by predicted time per output token once this request joins their batch (each sequence
-        taken to be about this request's length); bandwidth-rich backends win, load spreads the rest."""
-        eligible = np.flatnonzero(mask)
-        if eligible.size < 2:
-            return eligible
-        k = next(self._turn) % eligible.size
-        rotated = np.concatenate((eligible[k:], eligible[:k]))
-        batch = candidates.load + 1.0
-        context = batch * (request.prompt_tokens + request.max_tokens)
-        tpot = decode_step_time(
-            self.model, self._hardware_of(candidates.specs), batch, context, self.efficiency
+    # --- the choice ------------------------------------------------------------------------------------
+    def choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan:
+        c = candidates
+        healthy = c.healthy
+        both = healthy & c.can_prefill & c.can_decode
+        # Without a backend that may do both, aggregated serving on a single-role one is a fallback
+        # only: it is chosen when no split is allowed or possible.
+        agg_fallback = not both.any()
+        agg_mask = healthy & c.can_decode if agg_fallback else both
+        if not agg_mask.any():
+            agg_mask = healthy
+        if not agg_mask.any():
+            return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
+        cl = self._cluster(c.specs)
+        p = self._price(request, c, cl)
+        slo_ttft, slo_tpot = self._targets(request, cl, healthy)
+        out = max(request.max_tokens, 1)
+        order = self._rotate(np.flatnonzero(agg_mask))
+        agg_ttft = p.wait + p.compute
+        agg_finish = agg_ttft + out * p.tpot
+        agg_cost = cl.price * p.compute + cl.price * p.decode_cost
+        agg_ok = (agg_ttft <= slo_ttft) & (p.tpot <= slo_tpot) & p.kv_ok
+        agg_key = _order(order, agg_cost[order], agg_finish[order], agg_ok[order], self.cost_tolerance)
+        aggregated = tuple(agg_key.tolist())
+        best_agg = aggregated[0]
+        pair = None
+        if split.disaggregation is not Disaggregation.NEVER:
+            pair = self._best_pair(request, c, cl, p, split, (slo_ttft, slo_tpot))
+        agg_pred = Prediction(
+            float(p.wait[best_agg]), float(p.compute[best_agg]), 0.0, float(agg_ttft[best_agg]),
+            float(p.tpot[best_agg]),
+        )  # fmt: skip
+        if pair is None:
+            reason = "never" if split.disaggregation is Disaggregation.NEVER else "no_split"
+            return RoutePlan(Mode.AGGREGATED, aggregated, reason=reason, predicted=agg_pred)
+        prefills, decodes, pair_pred, pair_key = pair
+        if split.disaggregation is Disaggregation.AUTO and not agg_fallback:
+            agg_rank = (not bool(agg_ok[best_agg]), agg_cost[best_agg], float(agg_finish[best_agg]))
+            if not _pair_wins(pair_key, agg_rank, self.cost_tolerance):
+                return RoutePlan(Mode.AGGREGATED, aggregated, reason="split_costlier", predicted=agg_pred)
+        return RoutePlan(Mode.PD, aggregated, prefills, decodes, reason="split", predicted=pair_pred)
+
+    def _best_pair(
+        self,
+        request: RequestFeatures,
+        c: Candidates,
+        cl: _Cluster,
+        p: _Priced,
+        split: SplitSettings,
+        slo: tuple[float, float],
+    ) -> tuple[tuple[int, ...], tuple[int, ...], Prediction, tuple[bool, float, float]] | None:
+        """The best (prefill, decode) pair with the fallbacks of each leg, or None when no pair is
+        allowed. Vectorised over all pairs: 64 backends are 4,032 pairs."""
+        prefill_rows = np.flatnonzero(c.healthy & c.can_prefill)
+        decode_rows = np.flatnonzero(c.healthy & c.can_decode)
+        if split.disaggregation is Disaggregation.AUTO:
+            lacking = request.prompt_tokens - c.cached_tokens[decode_rows]
+            decode_rows = decode_rows[lacking >= split.pd_min_prompt_tokens]
+        if prefill_rows.size == 0 or decode_rows.size == 0:
+            return None
+        prefill_rows, decode_rows = self._rotate(prefill_rows), self._rotate(decode_rows)
+        out = max(request.max_tokens, 1)
+        transfer = self._pair_factor(c, prefill_rows, decode_rows) * (
+            cl.transfer_per_token[np.ix_(prefill_rows, decode_rows)] * request.prompt_tokens
+            + cl.transfer_latency[np.ix_(prefill_rows, decode_rows)]
         )
-        return rotated[np.argsort(tpot[rotated], kind="stable")]
-
-    def split_pays(self, request: RequestFeatures, candidates: Candidates, prefill: int, decode: int) -> bool:
-        """True when prefill on `prefill` plus shipping the prompt's KV to `decode` is predicted to reach
-        the first token sooner than prefilling on `decode` itself (its queue and cache included)."""
-        ttft = self.predicted_ttft(request, candidates)
-        hw = self._hardware_of(candidates.specs)
-        transfer = kv_transfer_time(
-            self.model, hw.row(prefill), hw.row(decode), request.prompt_tokens, self.efficiency
+        ready = (p.wait + p.compute)[prefill_rows][:, None]
+        tpot = p.tpot[decode_rows][None, :]
+        ttft = ready + transfer + p.first_step[decode_rows][None, :]
+        finish = ttft + out * tpot
+        cost = (cl.price * p.compute)[prefill_rows][:, None] + (cl.price * p.decode_cost)[decode_rows][
+            None, :
+        ]
+        ok = (ttft <= slo[0]) & (tpot <= slo[1]) & p.kv_ok[decode_rows][None, :]
+        same = prefill_rows[:, None] == decode_rows[None, :]
+        if same.all():
+            return None
+        finish = np.where(same, np.inf, finish)
+        ok &= ~same
+        flat = _order(np.arange(finish.size), cost.ravel(), finish.ravel(), ok.ravel(), self.cost_tolerance)
+        a, b = divmod(int(flat[0]), decode_rows.size)
+        pi, di = int(prefill_rows[a]), int(decode_rows[b])
+        key = (not bool(ok[a, b]), float(cost[a, b]), float(finish[a, b]))
+        # Fallbacks of each leg with the other leg fixed, in the same order.
+        col = _order(np.arange(prefill_rows.size), cost[:, b], finish[:, b], ok[:, b], self.cost_tolerance)
+        row = _order(np.arange(decode_rows.size), cost[a], finish[a], ok[a], self.cost_tolerance)
+        prefills = tuple(int(prefill_rows[i]) for i in col if prefill_rows[i] != di)
+        decodes = tuple(int(decode_rows[i]) for i in row if decode_rows[i] != pi)
+        pred = Prediction(
+            float(p.wait[pi]),
+            float(p.compute[pi]),
+            float(transfer[a, b]),
+            float(ttft[a, b]),
+            float(p.tpot[di]),
         )
-        return float(ttft[prefill] + transfer[0]) < float(ttft[decode])
+        return prefills, decodes, pred, key
 
+    def _pair_factor(
+        self, c: Candidates, prefill_rows: np.ndarray, decode_rows: np.ndarray
+    ) -> np.ndarray | float:
+        if not self._pair_correction:
+            return 1.0
+        ids = c.ids
+        return np.array(
+            [[self._pair_correction.get((ids[a], ids[b]), 1.0) for b in decode_rows] for a in prefill_rows]
+        )
+
+    # --- calibration -----------------------------------------------------------------------------------
     def observe(self, outcome: Outcome) -> None:
-        spec = self._specs.get(outcome.backend_id)
-        if spec is None or outcome.ttft_s <= 0:
+        pred = outcome.predicted
+        if pred is None or outcome.ttft_s <= 0:
             return
-        hw = self._hardware_of((spec,))
-        new = max(outcome.prompt_tokens - outcome.cached_tokens, 1)
-        predicted = float(prefill_time(self.model, hw, new, outcome.cached_tokens, self.efficiency)[0])
-        ratio = float(np.clip(outcome.ttft_s / predicted, 0.1, 10.0))
-        old = self._correction.get(spec.id, 1.0)
-        self._correction[spec.id] = old + self.learning_rate * (ratio - old)
+        if outcome.leg in (Leg.AGGREGATED, Leg.PREFILL):
+            self._learn(self._correction, outcome.backend_id, outcome.ttft_s, pred.compute_s, pred.wait_s)
+        if outcome.leg is Leg.DECODE:
+            first_step = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
+            key = (outcome.peer_id, outcome.backend_id)
+            self._learn(self._pair_correction, key, outcome.ttft_s, pred.transfer_s, first_step)
+        if outcome.leg is not Leg.PREFILL and outcome.tpot_s > 0:
+            self._learn(self._decode_correction, outcome.backend_id, outcome.tpot_s, pred.tpot_s, 0.0)
+
+    def _learn(self, table: dict, key: object, measured: float, part: float, rest: float) -> None:  # type: ignore[type-arg]
+        """Correct `part` (the predicted seconds this correction scales) from a measurement of
+        `part + rest`: the part's own ratio, (measured - rest) / part, weighted by its share of the
+        prediction. With the queue as `rest` this corrects compute only, and the weight keeps it stable
+        when the queue dominates (it equals moving by the relative error of the whole prediction). The
+        prediction carried the old correction, so the ratio is relative to it."""
+        total = part + rest
+        if part <= 0 or not math.isfinite(measured) or total <= 0:
+            return
+        ratio = (measured - rest) / part
+        old = table.get(key, 1.0)
+        step = 1.0 + self.learning_rate * (part / total) * (ratio - 1.0)
+        table[key] = float(np.clip(old * max(step, 0.5), *_CLIP))
 
     def correction(self, backend_id: str) -> float:
+        """The compute correction of one backend (1.0: the roofline as it is)."""
         return self._correction.get(backend_id, 1.0)
 
-    def _hardware_of(self, specs: tuple[BackendSpec, ...]) -> Hardware:
+    def corrections(self) -> dict[str, float]:
+        return dict(self._correction)
+
+    def _cluster(self, specs: tuple[BackendSpec, ...]) -> _Cluster:
         key = tuple(s.id for s in specs)
-        hw = self._hardware.get(key)
-        if hw is None:
+        cl = self._clusters.get(key)
+        if cl is None:
             accelerators = [self.catalog.accelerator(s.accelerator) for s in specs]
             hw = Hardware.of(accelerators, [s.gpus for s in specs], self.model.compute_dtype)
-            self._hardware[key] = hw
-            self._specs.update((s.id, s) for s in specs)
-        return hw
+            column = Hardware(*(getattr(hw, f)[:, None] for f in _FIELDS))
+            row = Hardware(*(getattr(hw, f)[None, :] for f in _FIELDS))
+            latency = kv_transfer_time(self.model, column, row, 0, self.efficiency)
+            per_token = kv_transfer_time(self.model, column, row, 1, self.efficiency) - latency
+            cl = _Cluster(
+                specs,
+                WorkModel(self.model, hw, self.efficiency, self.chunk_tokens),
+                hw.gemm_flops / hw.gemm_flops.max(),
+                np.asarray(per_token),
+                np.asarray(latency),
+            )
+            self._clusters[key] = cl
+        return cl
+
+
+_FIELDS = ("gemm_flops", "attn_flops", "mem_bw", "mem_bytes", "scale_up_bw", "scale_out_bw", "gpus")
+
+
+def _order(
+    rows: np.ndarray, cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float
+) -> np.ndarray:
+    """`rows` best-first: feasible plans within `tolerance` of the cheapest feasible cost (earliest
+    finish first), then the other feasible ones, then the infeasible ones (each by earliest finish)."""
+    if ok.any():
+        cheap = ok & (cost <= cost[ok].min() * (1.0 + tolerance))
+        tier = np.where(cheap, 0, np.where(ok, 1, 2))
+    else:
+        tier = np.zeros(rows.size, dtype=int)
+    return rows[np.lexsort((finish, tier))]
+
+
+def _pair_wins(pair: tuple[bool, float, float], agg: tuple[bool, float, float], tolerance: float) -> bool:
+    """Compare the best split with the best aggregated plan by the same rule as `_order`."""
+    if pair[0] != agg[0]:
+        return not pair[0]  # feasible beats infeasible
+    if not pair[0]:
+        cheapest = min(pair[1], agg[1])
+        pair_cheap = pair[1] <= cheapest * (1.0 + tolerance)
+        agg_cheap = agg[1] <= cheapest * (1.0 + tolerance)
+        if pair_cheap != agg_cheap:
+            return pair_cheap
+    return pair[2] < agg[2]
