@@ -93,16 +93,19 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.in_flight.labels(backend.id).set_function(lambda b=backend: b.in_flight)
     upstream = Upstream(config.timeouts)
     prefix: PrefixServices | None = await build_prefix_services(config, registry, metrics)
+    routers = build_routers(config)
     handler = CompletionHandler(
         registry=registry,
-        routers=build_routers(config),
+        routers=routers,
         proxy=Proxy(config, registry, upstream, metrics),
         metrics=metrics,
         affinity=prefix.affinity if prefix else None,
         api_keys=config.auth.keys(),
         max_body_bytes=config.limits.max_body_bytes,
         route_header=config.routing.route_header,
-        needs_prompt_tokens=config.routing.disaggregation == "auto",
+        # The `auto` split and the policies that price prompts (prefix share, cost) read its length.
+        needs_prompt_tokens=config.routing.disaggregation == "auto"
+        or any(r.uses_prefix_index for r in routers.values()),
     )
     app.state.gateway = GatewayState(config, metrics, registry, handler, _models_body(config))
     async with httpx.AsyncClient() as control_client:

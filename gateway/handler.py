@@ -27,7 +27,7 @@ from gateway.proxy import Exchange, Proxy
 from gateway.registry import ModelPool, Registry
 from gateway.schemas import Kind, ParsedRequest, estimate_prompt_tokens, parse_body
 from gateway.upstream import LegFailed
-from scoring.types import Mode, Outcome, RequestFeatures, Router
+from scoring.types import Mode, Outcome, Prediction, RequestFeatures, Router
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -144,10 +144,19 @@ class CompletionHandler:
             return
         if self.affinity is not None and ex.served:
             self.affinity.record(request, pool, features, ex.served)
-        if ex.ttft_s and ex.mode == "aggregated":
-            self._learn(ex, pool, features, cached)
+        router = self.routers[request.model]
+        if router.learns and ex.ttft_s and ex.mode == "aggregated":
+            self._learn(ex, pool, features, cached, router, plan.predicted)
 
-    def _learn(self, ex: Exchange, pool: ModelPool, features: RequestFeatures, cached: Any) -> None:
+    def _learn(
+        self,
+        ex: Exchange,
+        pool: ModelPool,
+        features: RequestFeatures,
+        cached: Any,
+        router: Router,
+        predicted: Prediction | None,
+    ) -> None:
         """Feed a measured TTFT back to the router (the cost policy corrects its model with it)."""
         backend = ex.served[0]
         row = pool.backends.index(backend)
@@ -159,8 +168,10 @@ class CompletionHandler:
             output_tokens=0,
             ttft_s=ex.ttft_s,
             e2e_s=time.perf_counter() - ex.started,
+            predicted=predicted,
         )
-        self.routers[ex.request.model].observe(outcome)
+        router.observe(outcome)
+        self.metrics.cost_model_error.labels(backend.id).set(router.correction(backend.id))
 
     async def _features(
         self, request: ParsedRequest, pool: ModelPool, headers: dict[bytes, bytes]

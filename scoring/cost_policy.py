@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from scoring.catalog import Catalog, ModelSpec, load_catalog
-from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time
+from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, ScalarStepTime, kv_transfer_time
 from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel
 from scoring.router import Rotation, SimpleRanker, SplitSettings
 from scoring.types import (
@@ -76,13 +77,27 @@ class Slo:
 
 @dataclass(slots=True)
 class _Cluster:
-    """What never changes for one set of backends: hardware rows, prices, per-pair transfer times."""
+    """What never changes for one set of backends: hardware rows, prices, per-pair transfer times (and
+    the corrections as arrays, rebuilt when they change)."""
 
     specs: tuple[BackendSpec, ...]
     work: WorkModel
     price: np.ndarray  # compute weight of one second on each backend
     transfer_per_token: np.ndarray  # [p, d] seconds per KV token, without the fixed latency
     transfer_latency: np.ndarray  # [p, d]
+    fastest_prefill: ScalarStepTime  # the backend with the most compute, alone
+    fastest_decode: ScalarStepTime  # the backend with the most memory bandwidth, alone
+    rows: dict[str, int]  # backend id -> row
+    compute_factor: np.ndarray
+    decode_factor: np.ndarray
+    pair_factor: np.ndarray  # [p, d]
+
+    def set_factor(self, pair: bool, decode: bool, key: str | tuple[str, str], value: float) -> None:
+        if isinstance(key, tuple):
+            if pair and key[0] in self.rows and key[1] in self.rows:
+                self.pair_factor[self.rows[key[0]], self.rows[key[1]]] = value
+        elif key in self.rows:
+            (self.decode_factor if decode else self.compute_factor)[self.rows[key]] = value
 
 
 @dataclass(slots=True)
@@ -129,17 +144,16 @@ class CostRanker(SimpleRanker):
     def _price(self, request: RequestFeatures, c: Candidates, cl: _Cluster) -> _Priced:
         work = cl.work
         prompt, out = request.prompt_tokens, max(request.max_tokens, 1)
-        k = np.fromiter((self._correction.get(s.id, 1.0) for s in c.specs), float, len(c.specs))
-        j = np.fromiter((self._decode_correction.get(s.id, 1.0) for s in c.specs), float, len(c.specs))
+        k, j = cl.compute_factor, cl.decode_factor
         seqs, context = c.decode_seqs, work.context(c.context_tokens, c.kv_usage)
         cached = np.minimum(c.cached_tokens, max(prompt - 1, 0))  # vLLM recomputes the last token
         new = prompt - cached
-        wait = k * work.queue_s(c.prefill_tokens, c.prefill_len, seqs, context)
-        compute = k * work.prefill_s(new, cached, seqs, context)
         own = prompt + out / 2.0
-        step = j * work.tpot_s(seqs + 1.0, context + own)
-        base = np.where(seqs > 0, j * work.tpot_s(seqs, context), 0.0)
-        decode_cost = out * np.maximum(step - base, 0.0)
+        # Two decode steps on every backend: the batch as it is, and with this request in it.
+        base, step = j * work.tpot_s(np.stack((seqs, seqs + 1.0)), np.stack((context, context + own)))
+        wait = k * work.queue_s(c.prefill_tokens, c.prefill_len, base)
+        compute = k * work.prefill_s(new, cached, base)
+        decode_cost = out * (step - base)
         # Chunked prefill shares the decode steps: the prefill queued here stretches them (taken as
         # the backend's ongoing prefill traffic), and a split's first token waits for one chunk.
         tpot = step + wait / out
@@ -153,19 +167,16 @@ class CostRanker(SimpleRanker):
         p = self._price(request, candidates, self._cluster(candidates.specs))
         return p.wait + p.compute
 
-    def _targets(self, request: RequestFeatures, cl: _Cluster, healthy: np.ndarray) -> tuple[float, float]:
+    def _targets(self, request: RequestFeatures, cl: _Cluster) -> tuple[float, float]:
+        """The request's SLO: its own, the model's, or relative to the cluster's fastest backends alone
+        (prefill on the most compute, decode on the most bandwidth)."""
         ttft = request.slo_ttft_s or self.slo.ttft_s
         tpot = request.slo_tpot_s or self.slo.tpot_s
-        if ttft is None or tpot is None:
-            rows = healthy if healthy.any() else np.ones_like(healthy)
-            prompt = float(request.prompt_tokens)
-            zero = np.zeros(len(cl.specs))
-            if ttft is None:
-                alone = cl.work.prefill_s(np.full(len(cl.specs), prompt), zero, zero, zero)
-                ttft = self.slo.ttft_factor * float(alone[rows].min())
-            if tpot is None:
-                step = cl.work.tpot_s(np.ones(len(cl.specs)), np.full(len(cl.specs), prompt + 1.0))
-                tpot = self.slo.tpot_factor * float(step[rows].min())
+        prompt = request.prompt_tokens
+        if ttft is None:
+            ttft = self.slo.ttft_factor * cl.fastest_prefill(prompt, 0.5 * prompt * (prompt + 1), 0, 0)
+        if tpot is None:
+            tpot = self.slo.tpot_factor * cl.fastest_decode(0, 0, 1, prompt + 1)
         return ttft, tpot
 
     # --- the choice ------------------------------------------------------------------------------------
@@ -183,7 +194,7 @@ class CostRanker(SimpleRanker):
             return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
         cl = self._cluster(c.specs)
         p = self._price(request, c, cl)
-        slo_ttft, slo_tpot = self._targets(request, cl, healthy)
+        slo_ttft, slo_tpot = self._targets(request, cl)
         out = max(request.max_tokens, 1)
         order = self._rotate(np.flatnonzero(agg_mask))
         agg_ttft = p.wait + p.compute
@@ -220,7 +231,9 @@ class CostRanker(SimpleRanker):
         slo: tuple[float, float],
     ) -> tuple[tuple[int, ...], tuple[int, ...], Prediction, tuple[bool, float, float]] | None:
         """The best (prefill, decode) pair with the fallbacks of each leg, or None when no pair is
-        allowed. Vectorised over all pairs: 64 backends are 4,032 pairs."""
+        allowed. Vectorised over the pairs of the `shortlist` best of each side (by time and by cost):
+        a pair's time and cost are its legs' sums plus the transfer, so the best pair is almost always
+        among them, and 64 backends price 16 x 16 pairs instead of 4,032."""
         prefill_rows = np.flatnonzero(c.healthy & c.can_prefill)
         decode_rows = np.flatnonzero(c.healthy & c.can_decode)
         if split.disaggregation is Disaggregation.AUTO:
@@ -228,9 +241,18 @@ class CostRanker(SimpleRanker):
             decode_rows = decode_rows[lacking >= split.pd_min_prompt_tokens]
         if prefill_rows.size == 0 or decode_rows.size == 0:
             return None
-        prefill_rows, decode_rows = self._rotate(prefill_rows), self._rotate(decode_rows)
         out = max(request.max_tokens, 1)
-        transfer = self._pair_factor(c, prefill_rows, decode_rows) * (
+        prefill_rows = self._rotate(
+            _shortlist(prefill_rows, (p.wait + p.compute)[prefill_rows], (cl.price * p.compute)[prefill_rows])
+        )
+        decode_rows = self._rotate(
+            _shortlist(
+                decode_rows,
+                (p.first_step + out * p.tpot)[decode_rows],
+                (cl.price * p.decode_cost)[decode_rows],
+            )
+        )
+        transfer = cl.pair_factor[np.ix_(prefill_rows, decode_rows)] * (
             cl.transfer_per_token[np.ix_(prefill_rows, decode_rows)] * request.prompt_tokens
             + cl.transfer_latency[np.ix_(prefill_rows, decode_rows)]
         )
@@ -247,15 +269,14 @@ class CostRanker(SimpleRanker):
             return None
         finish = np.where(same, np.inf, finish)
         ok &= ~same
-        flat = _order(np.arange(finish.size), cost.ravel(), finish.ravel(), ok.ravel(), self.cost_tolerance)
-        a, b = divmod(int(flat[0]), decode_rows.size)
+        a, b = _best(cost, finish, ok, self.cost_tolerance)
         pi, di = int(prefill_rows[a]), int(decode_rows[b])
         key = (not bool(ok[a, b]), float(cost[a, b]), float(finish[a, b]))
         # Fallbacks of each leg with the other leg fixed, in the same order.
-        col = _order(np.arange(prefill_rows.size), cost[:, b], finish[:, b], ok[:, b], self.cost_tolerance)
-        row = _order(np.arange(decode_rows.size), cost[a], finish[a], ok[a], self.cost_tolerance)
-        prefills = tuple(int(prefill_rows[i]) for i in col if prefill_rows[i] != di)
-        decodes = tuple(int(decode_rows[i]) for i in row if decode_rows[i] != pi)
+        col = _order(prefill_rows, cost[:, b], finish[:, b], ok[:, b], self.cost_tolerance).tolist()
+        row = _order(decode_rows, cost[a], finish[a], ok[a], self.cost_tolerance).tolist()
+        prefills = tuple(i for i in col if i != di)
+        decodes = tuple(i for i in row if i != pi)
         pred = Prediction(
             float(p.wait[pi]),
             float(p.compute[pi]),
@@ -264,16 +285,6 @@ class CostRanker(SimpleRanker):
             float(p.tpot[di]),
         )
         return prefills, decodes, pred, key
-
-    def _pair_factor(
-        self, c: Candidates, prefill_rows: np.ndarray, decode_rows: np.ndarray
-    ) -> np.ndarray | float:
-        if not self._pair_correction:
-            return 1.0
-        ids = c.ids
-        return np.array(
-            [[self._pair_correction.get((ids[a], ids[b]), 1.0) for b in decode_rows] for a in prefill_rows]
-        )
 
     # --- calibration -----------------------------------------------------------------------------------
     def observe(self, outcome: Outcome) -> None:
@@ -289,7 +300,9 @@ class CostRanker(SimpleRanker):
         if outcome.leg is not Leg.PREFILL and outcome.tpot_s > 0:
             self._learn(self._decode_correction, outcome.backend_id, outcome.tpot_s, pred.tpot_s, 0.0)
 
-    def _learn(self, table: dict, key: object, measured: float, part: float, rest: float) -> None:  # type: ignore[type-arg]
+    def _learn(
+        self, table: dict[Any, float], key: str | tuple[str, str], measured: float, part: float, rest: float
+    ) -> None:
         """Correct `part` (the predicted seconds this correction scales) from a measurement of
         `part + rest`: the part's own ratio, (measured - rest) / part, weighted by its share of the
         prediction. With the queue as `rest` this corrects compute only, and the weight keeps it stable
@@ -302,6 +315,8 @@ class CostRanker(SimpleRanker):
         old = table.get(key, 1.0)
         step = 1.0 + self.learning_rate * (part / total) * (ratio - 1.0)
         table[key] = float(np.clip(old * max(step, 0.5), *_CLIP))
+        for cl in self._clusters.values():  # the arrays the pricing reads
+            cl.set_factor(table is self._pair_correction, table is self._decode_correction, key, table[key])
 
     def correction(self, backend_id: str) -> float:
         """The compute correction of one backend (1.0: the roofline as it is)."""
@@ -326,6 +341,12 @@ class CostRanker(SimpleRanker):
                 hw.gemm_flops / hw.gemm_flops.max(),
                 np.asarray(per_token),
                 np.asarray(latency),
+                ScalarStepTime(self.model, hw.row(int(np.argmax(hw.gemm_flops))), self.efficiency),
+                ScalarStepTime(self.model, hw.row(int(np.argmax(hw.mem_bw))), self.efficiency),
+                {s.id: i for i, s in enumerate(specs)},
+                np.array([self._correction.get(s.id, 1.0) for s in specs]),
+                np.array([self._decode_correction.get(s.id, 1.0) for s in specs]),
+                np.array([[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]),
             )
             self._clusters[key] = cl
         return cl
@@ -345,6 +366,30 @@ def _order(
     else:
         tier = np.zeros(rows.size, dtype=int)
     return rows[np.lexsort((finish, tier))]
+
+
+SHORTLIST = 8
+
+
+def _shortlist(rows: np.ndarray, time: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """`rows` reduced to the `SHORTLIST` quickest and the `SHORTLIST` cheapest (in row order)."""
+    if rows.size <= 2 * SHORTLIST:
+        return rows
+    keep = np.zeros(rows.size, dtype=bool)
+    keep[np.argpartition(time, SHORTLIST)[:SHORTLIST]] = True
+    keep[np.argpartition(cost, SHORTLIST)[:SHORTLIST]] = True
+    return rows[keep]
+
+
+def _best(cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float) -> tuple[int, int]:
+    """The first entry `_order` would give over a matrix of plans, without sorting them all."""
+    if ok.any():
+        cheap = ok & (cost <= cost[ok].min() * (1.0 + tolerance))
+        flat = int(np.argmin(np.where(cheap, finish, np.inf)))
+    else:
+        flat = int(np.argmin(finish))
+    a, b = divmod(flat, finish.shape[1])
+    return a, b
 
 
 def _pair_wins(pair: tuple[bool, float, float], agg: tuple[bool, float, float], tolerance: float) -> bool:

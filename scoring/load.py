@@ -134,34 +134,30 @@ class WorkModel:
         """Decoding context: the reserved one, or what vLLM's KV usage says is held, whichever is more."""
         return np.maximum(context_tokens, kv_usage * self.kv_capacity)
 
-    def riding_s(self, tokens: np.ndarray, seqs: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """Decode work that shares the chunked-prefill steps of `tokens` prefill tokens."""
-        steps = np.ceil(np.asarray(tokens, dtype=float) / self.chunk_tokens)
-        return steps * decode_step_time(self.model, self.hw, seqs, context, self.efficiency)
+    def tpot_s(self, seqs: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """One decode step of `seqs` sequences over `context` tokens (0 for no sequence)."""
+        return np.asarray(decode_step_time(self.model, self.hw, seqs, context, self.efficiency))
+
+    def riding_s(self, tokens: np.ndarray, decode_step: np.ndarray) -> np.ndarray:
+        """Decode work that shares the chunked-prefill steps of `tokens` prefill tokens, for the running
+        batch's `decode_step` (`tpot_s` of it)."""
+        return np.ceil(np.asarray(tokens, dtype=float) / self.chunk_tokens) * decode_step
 
     def queue_s(
-        self,
-        prefill_tokens: np.ndarray,
-        prefill_len: np.ndarray,
-        seqs: np.ndarray,
-        context: np.ndarray,
+        self, prefill_tokens: np.ndarray, prefill_len: np.ndarray, decode_step: np.ndarray
     ) -> np.ndarray:
         """Seconds of prefill work ahead of a new request (0 on an idle backend): the queued tokens in
         one roofline pass (chunks of several prompts batch together), attention per prompt."""
         prompts = prefill_tokens / prefill_len
         pairs = prompts * causal_pairs(prefill_len, 0)
         own = step_time(self.model, self.hw, prefill_tokens, pairs, 0, 0, self.efficiency)
-        return own + self.riding_s(prefill_tokens, seqs, context)
+        return own + self.riding_s(prefill_tokens, decode_step)
 
     def prefill_s(
-        self, new_tokens: np.ndarray, cached_tokens: np.ndarray, seqs: np.ndarray, context: np.ndarray
+        self, new_tokens: np.ndarray, cached_tokens: np.ndarray, decode_step: np.ndarray
     ) -> np.ndarray:
         """Seconds of a request's own prefill of `new_tokens` after `cached_tokens`."""
         own = step_time(
             self.model, self.hw, new_tokens, causal_pairs(new_tokens, cached_tokens), 0, 0, self.efficiency
         )
-        return own + self.riding_s(new_tokens, seqs, context)
-
-    def tpot_s(self, seqs: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """One decode step of `seqs` sequences over `context` tokens."""
-        return np.asarray(decode_step_time(self.model, self.hw, seqs, context, self.efficiency))
+        return own + self.riding_s(new_tokens, decode_step)

@@ -56,6 +56,8 @@ class Ranker(Protocol):
 
     def observe(self, outcome: Outcome) -> None: ...
 
+    def correction(self, backend_id: str) -> float: ...
+
 
 @dataclass(frozen=True, slots=True)
 class SplitSettings:
@@ -100,6 +102,9 @@ class SimpleRanker:
 
     def observe(self, outcome: Outcome) -> None:
         """Nothing to learn."""
+
+    def correction(self, backend_id: str) -> float:
+        return 1.0
 
 
 class RoundRobin(SimpleRanker):
@@ -191,6 +196,9 @@ class PlanningRouter:
         for ranker in {id(r): r for r in (self.ranker, self.prefill_ranker)}.values():
             if ranker.learns:
                 ranker.observe(outcome)
+
+    def correction(self, backend_id: str) -> float:
+        return self.ranker.correction(backend_id)
 
 
 def build_ranker(policy: str, **knobs: Any) -> Ranker:

@@ -191,6 +191,10 @@ class Router(Protocol):
         """Feedback after a request leg finishes (online cost correction); may do nothing."""
         ...
 
+    def correction(self, backend_id: str) -> float:
+        """What it learnt of one backend: measured over predicted compute time (1.0: nothing)."""
+        ...
+
 
 class Leg(enum.StrEnum):
     AGGREGATED = "aggregated"
