@@ -10,6 +10,7 @@ a backend is touched is an OpenAI-shaped JSON error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import os
@@ -21,7 +22,15 @@ from typing import Any
 import orjson
 
 from gateway.affinity import Affinity
-from gateway.errors import BodyTooLarge, GatewayError, ModelNotFound, NoBackend, Unauthorized, UpstreamFailed
+from gateway.errors import (
+    BadRequest,
+    BodyTooLarge,
+    GatewayError,
+    ModelNotFound,
+    NoBackend,
+    Unauthorized,
+    UpstreamFailed,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Exchange, Proxy
 from gateway.registry import ModelPool, Registry
@@ -69,6 +78,7 @@ class CompletionHandler:
             self.authorize(headers.get(b"authorization"))
             raw = await self._read_body(headers, receive)
             request = parse_body(raw, kind)
+            slo = _slo_override(headers)
             pool = self.registry.pool(request.model)
             if pool is None:
                 raise ModelNotFound(f"The model `{request.model}` does not exist.", "model")
@@ -86,7 +96,7 @@ class CompletionHandler:
             upstream_body=_upstream_body(request, pool),
         )
         await _cancel_on_disconnect(
-            self._serve(exchange, pool, send, headers), receive, self._count_disconnect(request)
+            self._serve(exchange, pool, send, headers, slo), receive, self._count_disconnect(request)
         )
 
     def authorize(self, header: bytes | None) -> None:
@@ -119,10 +129,19 @@ class CompletionHandler:
             if not message.get("more_body"):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def _serve(self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes]) -> None:
+    async def _serve(
+        self,
+        ex: Exchange,
+        pool: ModelPool,
+        send: Send,
+        headers: dict[bytes, bytes],
+        slo: tuple[float | None, float | None] = (None, None),
+    ) -> None:
         request = ex.request
         try:
             features, cached = await self._features(request, pool, headers)
+            if slo != (None, None):
+                features = dataclasses.replace(features, slo_ttft_s=slo[0], slo_tpot_s=slo[1])
             candidates = self.registry.candidates(pool, cached)
             plan = self.routers[request.model].plan(features, candidates)
             self.metrics.route_decisions.labels(request.model, plan.mode.value, plan.reason).inc()
@@ -189,6 +208,27 @@ class CompletionHandler:
 
     def _count_disconnect(self, request: ParsedRequest) -> Callable[[], None]:
         return lambda: self.metrics.client_disconnects.labels(request.model).inc()
+
+
+_SLO_HEADERS = (b"x-hetgate-slo-ttft-ms", b"x-hetgate-slo-tpot-ms")
+
+
+def _slo_override(headers: dict[bytes, bytes]) -> tuple[float | None, float | None]:
+    """The request's own SLO from its headers (milliseconds), for policies that plan for one (`cost`)."""
+    values: list[float | None] = []
+    for name in _SLO_HEADERS:
+        raw = headers.get(name)
+        if raw is None:
+            values.append(None)
+            continue
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = -1.0
+        if not 0 < ms < 1e9:  # also rejects nan and inf
+            raise BadRequest(f"{name.decode()} must be a positive number of milliseconds.", name.decode())
+        values.append(ms / 1000.0)
+    return values[0], values[1]
 
 
 async def send_error(send: Send, error: GatewayError, route_header: bool) -> None:

@@ -2,11 +2,12 @@
 
 For one request (prompt P, cached c_i on backend i, up to M output tokens), all vectorised with numpy:
 
-* **Aggregated on b**: TTFT = k_b * (queue_b + prefill_b(P - c_b after c_b)); TPOT = j_b * decode step of
-  b at its batch + 1 and its context + this request's.
+* **Aggregated on b**: TTFT = k_b * (queue_b + prefill_b(P - c_b after c_b)); TPOT = decode step of b at
+  its batch + 1 and its context + this request's, plus its queued prefill spread over the M tokens
+  (chunked prefill shares the decode steps).
 * **Prefill on p, decode on d** (p != d, p may prefill, d may decode): TTFT = k_p * (queue_p + prefill_p)
-  + t_pd * KV transfer of P tokens over the pair's slower link + TPOT_d (the first decode step);
-  TPOT = j_d * decode step of d as above.
+  + t_pd * KV transfer of P tokens over the pair's slower link + d's step in progress and first decode
+  step; TPOT = d's as above.
 
 `queue`, `prefill` and the decode step are `scoring/load.py`'s one load formula over the backend's
 reserved and reported work; prefill and transfer are `scoring/cost.py`'s roofline. Each plan also has a
@@ -31,9 +32,12 @@ both, splitting only when the decoder lacks at least `pd_min_prompt_tokens` of t
 
 **Calibration** (`observe`, outcomes built by `scoring/outcome.py`): k_b corrects the compute part
 only: (measured TTFT - the queue wait predicted at plan time) / the compute predicted at plan time,
-credited to the backend that prefilled (the prefill leg of a split is measured on its own). t_pd corrects
-the transfer per (prefill, decode) pair from the decode leg's time to first token; j_b the decode step
-from measured TPOT. Each moves by `learning_rate` of its relative error, clipped to [0.1, 10].
+credited to the backend that prefilled (the prefill leg of a split is measured on its own), weighted by
+the compute's share of the prediction (which keeps it stable when the queue dominates). t_pd corrects
+the transfer per (prefill, decode) pair from the decode leg's time to first token. Each moves by
+`learning_rate` of its relative error, clipped to [0.1, 10]. Measured TPOT is not learnt from: it mixes
+the decode step with the prefill chunks of later requests (tried: it drove the decode factors to the
+clip limits and sent decodes to the compute-rich backend).
 
 Ties keep a rotating order, so identical backends share the load.
 """
@@ -89,15 +93,14 @@ class _Cluster:
     fastest_decode: ScalarStepTime  # the backend with the most memory bandwidth, alone
     rows: dict[str, int]  # backend id -> row
     compute_factor: np.ndarray
-    decode_factor: np.ndarray
     pair_factor: np.ndarray  # [p, d]
 
-    def set_factor(self, pair: bool, decode: bool, key: str | tuple[str, str], value: float) -> None:
+    def set_factor(self, key: str | tuple[str, str], value: float) -> None:
         if isinstance(key, tuple):
-            if pair and key[0] in self.rows and key[1] in self.rows:
+            if key[0] in self.rows and key[1] in self.rows:
                 self.pair_factor[self.rows[key[0]], self.rows[key[1]]] = value
         elif key in self.rows:
-            (self.decode_factor if decode else self.compute_factor)[self.rows[key]] = value
+            self.compute_factor[self.rows[key]] = value
 
 
 @dataclass(slots=True)
@@ -124,7 +127,7 @@ class CostRanker(SimpleRanker):
         efficiency: Efficiency = DEFAULT_EFFICIENCY,
         learning_rate: float = 0.1,
         slo: Slo | None = None,
-        cost_tolerance: float = 0.1,
+        cost_tolerance: float = 0.5,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         self.model = model
@@ -137,20 +140,19 @@ class CostRanker(SimpleRanker):
         self._rotate = Rotation()
         self._clusters: dict[tuple[str, ...], _Cluster] = {}
         self._correction: dict[str, float] = {}  # compute (prefill and queue) per backend
-        self._decode_correction: dict[str, float] = {}
         self._pair_correction: dict[tuple[str, str], float] = {}
 
     # --- pricing ---------------------------------------------------------------------------------------
     def _price(self, request: RequestFeatures, c: Candidates, cl: _Cluster) -> _Priced:
         work = cl.work
         prompt, out = request.prompt_tokens, max(request.max_tokens, 1)
-        k, j = cl.compute_factor, cl.decode_factor
+        k = cl.compute_factor
         seqs, context = c.decode_seqs, work.context(c.context_tokens, c.kv_usage)
         cached = np.minimum(c.cached_tokens, max(prompt - 1, 0))  # vLLM recomputes the last token
         new = prompt - cached
         own = prompt + out / 2.0
         # Two decode steps on every backend: the batch as it is, and with this request in it.
-        base, step = j * work.tpot_s(np.stack((seqs, seqs + 1.0)), np.stack((context, context + own)))
+        base, step = work.tpot_s(np.stack((seqs, seqs + 1.0)), np.stack((context, context + own)))
         wait = k * work.queue_s(c.prefill_tokens, c.prefill_len, base)
         compute = k * work.prefill_s(new, cached, base)
         decode_cost = out * (step - base)
@@ -297,8 +299,6 @@ class CostRanker(SimpleRanker):
             first_step = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
             key = (outcome.peer_id, outcome.backend_id)
             self._learn(self._pair_correction, key, outcome.ttft_s, pred.transfer_s, first_step)
-        if outcome.leg is not Leg.PREFILL and outcome.tpot_s > 0:
-            self._learn(self._decode_correction, outcome.backend_id, outcome.tpot_s, pred.tpot_s, 0.0)
 
     def _learn(
         self, table: dict[Any, float], key: str | tuple[str, str], measured: float, part: float, rest: float
@@ -316,7 +316,7 @@ class CostRanker(SimpleRanker):
         step = 1.0 + self.learning_rate * (part / total) * (ratio - 1.0)
         table[key] = float(np.clip(old * max(step, 0.5), *_CLIP))
         for cl in self._clusters.values():  # the arrays the pricing reads
-            cl.set_factor(table is self._pair_correction, table is self._decode_correction, key, table[key])
+            cl.set_factor(key, table[key])
 
     def correction(self, backend_id: str) -> float:
         """The compute correction of one backend (1.0: the roofline as it is)."""
@@ -345,7 +345,6 @@ class CostRanker(SimpleRanker):
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.mem_bw))), self.efficiency),
                 {s.id: i for i, s in enumerate(specs)},
                 np.array([self._correction.get(s.id, 1.0) for s in specs]),
-                np.array([self._decode_correction.get(s.id, 1.0) for s in specs]),
                 np.array([[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]),
             )
             self._clusters[key] = cl

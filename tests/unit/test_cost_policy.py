@@ -194,3 +194,19 @@ def test_declares_what_it_uses(deepseek):
     assert (ranker.uses_prefix_index, ranker.ranks_decode, ranker.judges_split, ranker.learns) == (
         True, True, True, True,
     )  # fmt: skip
+
+
+def test_transfer_is_learnt_per_pair(deepseek):
+    router = build_router("cost", "always", model=deepseek)
+    before = router.plan(long_prompt(), cluster(roles=(P, D))).predicted
+    assert before is not None and before.transfer_s > 0
+    for _ in range(100):  # the pair's link turns out 3x slower: the decode leg's first token is late
+        pred = router.plan(long_prompt(), cluster(roles=(P, D))).predicted
+        assert pred is not None
+        first_step = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
+        measured = first_step + 3 * before.transfer_s
+        router.observe(Outcome("mi308x-0", Mode.PD, 8000, 0, 64, measured, 1.0, Leg.DECODE, "mi300x-0", pred))
+    after = router.plan(long_prompt(), cluster(roles=(P, D))).predicted
+    assert after is not None
+    assert after.transfer_s == pytest.approx(3 * before.transfer_s, rel=0.05)
+    assert router.ranker.correction("mi308x-0") == 1.0  # the decoder's compute is not blamed
