@@ -139,6 +139,7 @@ class CostRanker(SimpleRanker):
         self.chunk_tokens = chunk_tokens
         self._rotate = Rotation()
         self._clusters: dict[tuple[str, ...], _Cluster] = {}
+        self._last: _Cluster | None = None
         self._correction: dict[str, float] = {}  # compute (prefill and queue) per backend
         self._pair_correction: dict[tuple[str, str], float] = {}
 
@@ -326,6 +327,9 @@ class CostRanker(SimpleRanker):
         return dict(self._correction)
 
     def _cluster(self, specs: tuple[BackendSpec, ...]) -> _Cluster:
+        last = self._last
+        if last is not None and last.specs is specs:  # the pool passes the same tuple every time
+            return last
         key = tuple(s.id for s in specs)
         cl = self._clusters.get(key)
         if cl is None:
@@ -348,6 +352,7 @@ class CostRanker(SimpleRanker):
                 np.array([[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]),
             )
             self._clusters[key] = cl
+        self._last = cl
         return cl
 
 
