@@ -24,6 +24,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -100,7 +101,9 @@ def simulate(
     backends = cluster(catalog, setup)
     policy, split = POLICIES[setup]
     # The cost policy prices plans with the same fitted efficiency the engines run at.
-    knobs = {"model": catalog.model(MODEL), "efficiency": efficiency} if policy == "cost" else {}
+    knobs: dict[str, Any] = (
+        {"model": catalog.model(MODEL), "efficiency": efficiency} if policy == "cost" else {}
+    )
     router = build_router(policy, split, **knobs)
     clients = workload.concurrency_per_server * len(backends)
     requests = fixed_lengths(
