@@ -68,6 +68,8 @@ class ApproximateIndexRouter:
         self.inner = inner
         self.index = index
         self.name = f"{inner.name}+approx"
+        self.uses_prefix_index = False  # it looks prefixes up itself, in its own index
+        self.learns = inner.learns
 
     def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
         cached = np.zeros(len(candidates), dtype=np.int64)
@@ -85,6 +87,9 @@ class ApproximateIndexRouter:
 
     def observe(self, outcome: Outcome) -> None:
         self.inner.observe(outcome)
+
+    def correction(self, backend_id: str) -> float:
+        return self.inner.correction(backend_id)
 
 
 def run_policy(

@@ -25,6 +25,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,7 @@ def cluster(catalog: Catalog, setup: str) -> list[SimBackend]:
         entries = [("mi300x-0", mi300x, 8, BOTH)]
     elif setup == "mi308x_alone":
         entries = [("mi308x-0", mi308x, 8, BOTH)]
-    elif setup in ("load_balanced", "load_balanced_least_load"):
+    elif setup in ("load_balanced", "load_balanced_least_load", "cost_auto"):
         entries = [
             ("mi300x-0", mi300x, 8, BOTH),
             ("mi308x-0", mi308x, 8, BOTH),
@@ -89,6 +90,8 @@ POLICIES = {
     "load_balanced": ("round_robin", "never"),
     "disaggregated": ("least_load", "always"),
     "load_balanced_least_load": ("least_load", "never"),
+    # Not in the published set: the cost policy, every server free to take either role per request.
+    "cost_auto": ("cost", "auto"),
 }
 
 
@@ -98,7 +101,11 @@ def simulate(
     """Output tokens/s of one setup, measured inside the workload's window of the makespan."""
     backends = cluster(catalog, setup)
     policy, split = POLICIES[setup]
-    router = build_router(policy, split)
+    # The cost policy prices plans with the same fitted efficiency the engines run at.
+    knobs: dict[str, Any] = (
+        {"model": catalog.model(MODEL), "efficiency": efficiency} if policy == "cost" else {}
+    )
+    router = build_router(policy, split, **knobs)
     clients = workload.concurrency_per_server * len(backends)
     requests = fixed_lengths(
         clients * workload.requests_per_client, workload.prompt_tokens, workload.output_tokens
@@ -157,6 +164,7 @@ def run(catalog: Catalog, efficiency: Efficiency, workload: SeedWorkload = WORKL
     simulated["load_balanced_least_load"] = simulate(
         catalog, "load_balanced_least_load", efficiency, workload
     )
+    simulated["cost_auto"] = simulate(catalog, "cost_auto", efficiency, workload)
     policies = {k: "/".join(v) for k, v in POLICIES.items()}
     return {
         "published": dict(PUBLISHED),

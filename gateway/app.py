@@ -29,6 +29,7 @@ from gateway.retry import failing_statuses
 from gateway.schemas import Kind
 from gateway.upstream import Upstream
 from scoring.catalog import load_catalog
+from scoring.cost_policy import Slo
 from scoring.router import build_router
 from scoring.types import Router
 
@@ -64,6 +65,8 @@ def build_routers(config: GatewayConfig) -> dict[str, Router]:
             knobs = routing.prefix.model_dump()
         elif routing.policy == "cost":
             knobs = {"model": load_catalog().model(model.spec or "")}
+            if model.slo is not None:
+                knobs["slo"] = Slo(model.slo.ttft_s, model.slo.tpot_s)
         routers[model.name] = build_router(
             routing.policy, routing.disaggregation, routing.pd_min_prompt_tokens, **knobs
         )
@@ -118,16 +121,19 @@ def _gateway_state(
     upstream: Upstream,
     prefix: PrefixServices | None,
 ) -> GatewayState:
+    routers = build_routers(config)
     handler = CompletionHandler(
         registry=registry,
-        routers=build_routers(config),
+        routers=routers,
         proxy=Proxy(config, registry, upstream, metrics),
         metrics=metrics,
         affinity=prefix.affinity if prefix else None,
         api_keys=config.auth.keys(),
         max_body_bytes=config.limits.max_body_bytes,
         route_header=config.routing.route_header,
-        needs_prompt_tokens=config.routing.disaggregation == "auto",
+        # The `auto` split and the policies that price prompts (prefix share, cost) read its length.
+        needs_prompt_tokens=config.routing.disaggregation == "auto"
+        or any(r.uses_prefix_index for r in routers.values()),
         reject_internal_fields=config.limits.internal_fields == "reject",
     )
     return GatewayState(config, metrics, registry, handler, _models_body(config))

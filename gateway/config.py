@@ -69,9 +69,17 @@ class Listen(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
 
 
+class SloConfig(_Strict):
+    """The latency a request of this model should meet; the `cost` policy plans for it."""
+
+    ttft_s: Annotated[float, Field(gt=0)]
+    tpot_s: Annotated[float, Field(gt=0)]
+
+
 class ModelConfig(_Strict):
     name: Annotated[str, Field(min_length=1)]
     spec: str | None = None
+    slo: SloConfig | None = None  # None: relative to the fastest backend (scoring/cost_policy.py)
     tokenizer: Path | None = None
     served_name: str | None = None
 
@@ -151,7 +159,10 @@ class BackendConfig(_Strict):
 
 
 class PrefixKnobs(_Strict):
-    balance_abs_threshold: Annotated[float, Field(ge=0)] = 32
+    """SGLang cache_aware's knobs, at its defaults (scoring/prefix.py)."""
+
+    cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.3
+    balance_abs_threshold: Annotated[float, Field(ge=0)] = 64
     balance_rel_threshold: Annotated[float, Field(ge=1)] = 1.5
 
 

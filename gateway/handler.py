@@ -15,6 +15,7 @@ backend's own key). The request's backend reservations are released in one place
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import os
@@ -40,7 +41,7 @@ from gateway.proxy import Exchange, Proxy
 from gateway.registry import BackendState, ModelPool, Registry
 from gateway.schemas import Kind, ParsedRequest, estimate_prompt_tokens, parse_body
 from gateway.upstream import LegFailed
-from scoring.types import Mode, Outcome, RequestFeatures, Router
+from scoring.types import Mode, Outcome, Prediction, RequestFeatures, Router
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -93,6 +94,7 @@ class CompletionHandler:
             self.authorize(headers.get(b"authorization"))
             raw = await self._read_body(headers, receive)
             request = parse_body(raw, kind)
+            slo = _slo_override(headers)
             pool = self.registry.pool(request.model)
             if pool is None:
                 raise ModelNotFound(f"The model `{request.model}` does not exist.", "model")
@@ -111,7 +113,7 @@ class CompletionHandler:
             upstream_body=upstream_body,
         )
         await _cancel_on_disconnect(
-            self._serve(exchange, pool, send, headers), receive, self._count_disconnect(request)
+            self._serve(exchange, pool, send, headers, slo), receive, self._count_disconnect(request)
         )
 
     def authorize(self, header: bytes | None) -> None:
@@ -158,16 +160,22 @@ class CompletionHandler:
         body["model"] = served
         return orjson.dumps(body)
 
-    async def _serve(self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes]) -> None:
+    async def _serve(
+        self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes], slo: Slo = (None, None)
+    ) -> None:
         try:
-            await self._route(ex, pool, send, headers)
+            await self._route(ex, pool, send, headers, slo)
         finally:
             ex.release_all()  # the one place a request's reservations end, however it ended
 
-    async def _route(self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes]) -> None:
+    async def _route(
+        self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes], slo: Slo
+    ) -> None:
         request = ex.request
         try:
             features, cached = await self._features(request, pool, headers)
+            if slo != (None, None):
+                features = dataclasses.replace(features, slo_ttft_s=slo[0], slo_tpot_s=slo[1])
             ex.prompt_tokens = features.prompt_tokens
             if cached is not None:
                 ex.cached = _cached_lookup(pool, cached)
@@ -193,10 +201,19 @@ class CompletionHandler:
             return
         if self.affinity is not None and ex.served:
             self.affinity.record(request, pool, features, ex.served)
-        if ex.ttft_s and ex.mode == "aggregated":
-            self._learn(ex, pool, features, cached)
+        router = self.routers[request.model]
+        if router.learns and ex.ttft_s and ex.mode == "aggregated":
+            self._learn(ex, pool, features, cached, router, plan.predicted)
 
-    def _learn(self, ex: Exchange, pool: ModelPool, features: RequestFeatures, cached: Any) -> None:
+    def _learn(
+        self,
+        ex: Exchange,
+        pool: ModelPool,
+        features: RequestFeatures,
+        cached: Any,
+        router: Router,
+        predicted: Prediction | None,
+    ) -> None:
         """Feed a measured TTFT back to the router (the cost policy corrects its model with it)."""
         backend = ex.served[0]
         row = pool.backends.index(backend)
@@ -208,8 +225,10 @@ class CompletionHandler:
             output_tokens=0,
             ttft_s=ex.ttft_s,
             e2e_s=time.perf_counter() - ex.started,
+            predicted=predicted,
         )
-        self.routers[ex.request.model].observe(outcome)
+        router.observe(outcome)
+        self.metrics.cost_model_error.labels(backend.id).set(router.correction(backend.id))
 
     async def _features(
         self, request: ParsedRequest, pool: ModelPool, headers: dict[bytes, bytes]
@@ -227,6 +246,28 @@ class CompletionHandler:
 
     def _count_disconnect(self, request: ParsedRequest) -> Callable[[], None]:
         return lambda: self.metrics.client_disconnects.labels(request.model).inc()
+
+
+Slo = tuple[float | None, float | None]  # per-request TTFT and TPOT objectives in seconds (None: the model's)
+_SLO_HEADERS = (b"x-hetgate-slo-ttft-ms", b"x-hetgate-slo-tpot-ms")
+
+
+def _slo_override(headers: dict[bytes, bytes]) -> tuple[float | None, float | None]:
+    """The request's own SLO from its headers (milliseconds), for policies that plan for one (`cost`)."""
+    values: list[float | None] = []
+    for name in _SLO_HEADERS:
+        raw = headers.get(name)
+        if raw is None:
+            values.append(None)
+            continue
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = -1.0
+        if not 0 < ms < 1e9:  # also rejects nan and inf
+            raise BadRequest(f"{name.decode()} must be a positive number of milliseconds.", name.decode())
+        values.append(ms / 1000.0)
+    return values[0], values[1]
 
 
 async def send_error(send: Send, error: GatewayError, route_header: bool) -> None:

@@ -93,6 +93,12 @@ class GatewayMetrics:
             ["backend", "what"],
             registry=r,
         )
+        self.cost_model_error = Gauge(
+            "hetgate:cost_model_error",
+            "Measured over roofline-predicted compute time per backend, as the cost policy learnt it",
+            ["backend"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "hetgate:client_disconnects", "Requests cancelled by the client", ["model"], registry=r
         )

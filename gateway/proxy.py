@@ -36,7 +36,8 @@ from gateway.retry import RetryPolicy
 from gateway.schemas import ParsedRequest
 from gateway.sse import EventCutter, EventTooLarge, UsageRewriter
 from gateway.upstream import Leg, LegFailed, Upstream
-from scoring.types import LegLoad
+from scoring.load import leg_loads
+from scoring.types import LegLoad, Mode
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -78,15 +79,12 @@ class Exchange:
             reservation.release()
 
     def leg_load(self, backend: BackendState, leg: str) -> LegLoad:
-        """What a leg of this request puts on `backend` (leg: aggregated | prefill | decode)."""
-        prompt = self.prompt_tokens
-        uncached = prompt - self.cached(backend) if self.cached is not None and prompt else prompt
-        if leg == "prefill":
-            return LegLoad(prefill_tokens=uncached, decode_tokens=1, context_tokens=prompt)
-        decode = self.request.max_tokens or 1
-        if leg == "decode":
-            return LegLoad(prefill_tokens=0, decode_tokens=decode, context_tokens=prompt)
-        return LegLoad(prefill_tokens=uncached, decode_tokens=decode, context_tokens=prompt)
+        """What a leg of this request puts on `backend` (leg: aggregated | prefill | decode), by the one
+        rule the simulator uses too (scoring/load.py)."""
+        cached = self.cached(backend) if self.cached is not None and self.prompt_tokens else 0
+        mode = Mode.AGGREGATED if leg == "aggregated" else Mode.PD
+        first, decode = leg_loads(mode, self.prompt_tokens, self.request.max_tokens or 1, cached)
+        return decode if leg == "decode" and decode is not None else first
 
 
 @dataclass(slots=True)

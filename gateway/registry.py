@@ -23,18 +23,8 @@ import numpy as np
 from gateway.config import BackendConfig, GatewayConfig, Health, ModelConfig
 from gateway.outlier import OutlierPool, OutlierState, Verdict
 from gateway.stats import VllmLoad
+from scoring.load import Reserved, load_columns
 from scoring.types import BackendSpec, Candidates, LegLoad, Role
-
-
-class Reserved:
-    """What the gateway's own requests have reserved on one backend (totals over open reservations)."""
-
-    __slots__ = ("context_tokens", "decode_seqs", "prefill_tokens")
-
-    def __init__(self) -> None:
-        self.prefill_tokens = 0  # prompt tokens still to be computed
-        self.decode_seqs = 0  # sequences that will decode (or are decoding) here
-        self.context_tokens = 0  # prompt tokens whose KV those sequences hold
 
 
 class HealthEvent(Enum):
@@ -73,7 +63,7 @@ class BackendState:
         self.probe_failures = 0
         self.outlier = OutlierState(config.id)
         self.in_flight = 0
-        self.reserved = Reserved()
+        self.reserved = Reserved()  # the work of the legs in flight, taken at plan time (`reserve`)
         self.load = VllmLoad()
 
     @property
@@ -101,10 +91,7 @@ class Reservation:
         self._open = True
         self._prefilling = True
         backend.in_flight += 1
-        reserved = backend.reserved
-        reserved.prefill_tokens += load.prefill_tokens
-        reserved.decode_seqs += 1
-        reserved.context_tokens += load.context_tokens
+        backend.reserved.add(load)
 
     @property
     def open(self) -> bool:
@@ -112,19 +99,16 @@ class Reservation:
 
     def prefill_done(self) -> None:
         """The backend's first byte (or the prefill leg's result) arrived: its prompt is computed."""
-        if self._prefilling:
+        if self._prefilling and self._open:
             self._prefilling = False
-            self.backend.reserved.prefill_tokens -= self.load.prefill_tokens
+            self.backend.reserved.prefill_done(self.load)
 
     def release(self) -> None:
         if not self._open:
             return
-        self.prefill_done()
         self._open = False
-        backend = self.backend
-        backend.in_flight -= 1
-        backend.reserved.decode_seqs -= 1
-        backend.reserved.context_tokens -= self.load.context_tokens
+        self.backend.in_flight -= 1
+        self.backend.reserved.release(self.load, prefill_pending=self._prefilling)
 
 
 class ModelPool:
@@ -151,19 +135,23 @@ class ModelPool:
 
     def candidates(self, now: float, cached_tokens: np.ndarray | None = None) -> Candidates:
         n = len(self.backends)
+        rows = np.array(
+            [
+                (b.in_flight, b.load.running, b.load.waiting, b.reserved.prefill_tokens,
+                 b.reserved.prefill_seqs, b.reserved.decode_seqs, b.reserved.context_tokens)
+                for b in self.backends
+            ],
+            dtype=float,
+        ).reshape(n, 7)  # fmt: skip
         return Candidates(
             specs=self.specs,
             healthy=self.routable(now),
             can_prefill=self._can_prefill,
             can_decode=self._can_decode,
-            load=np.fromiter(
-                (max(b.in_flight, b.load.running) + b.load.waiting for b in self.backends),
-                dtype=float,
-                count=n,
-            ),
             capacity=self._capacity,
             kv_usage=np.fromiter((b.load.kv_usage for b in self.backends), dtype=float, count=n),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
+            **load_columns(*rows.T),  # the one load formula, as the simulator uses it
         )
 
 

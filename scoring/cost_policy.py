@@ -1,45 +1,124 @@
-"""The `cost` policy: rank backends by predicted time to first token on their own hardware.
+"""The `cost` policy: price every plan in seconds, keep the SLO, spend the least of the cluster.
 
-For every candidate at once (numpy over backends):
+For one request (prompt P, cached c_i on backend i, up to M output tokens), all vectorised with numpy:
 
-    predicted_ttft = correction * prefill_time(uncached prompt tokens, after the cached ones) * (1 + load)
+* **Aggregated on b**: TTFT = k_b * (queue_b + prefill_b(P - c_b after c_b)); TPOT = decode step of b at
+  its batch + 1 and its context + this request's, plus its queued prefill spread over the M tokens
+  (chunked prefill shares the decode steps).
+* **Prefill on p, decode on d** (p != d, p may prefill, d may decode): TTFT = k_p * (queue_p + prefill_p)
+  + t_pd * KV transfer of P tokens over the pair's slower link + d's step in progress and first decode
+  step; TPOT = d's as above.
 
-- `prefill_time` is the roofline of `scoring/cost.py` on the backend's accelerator and GPU count: a
-  compute-rich backend (MI300X, Rubin CPX) prefills a long prompt several times faster than a
-  bandwidth-rich, compute-poor one (MI308X), and a cached prefix makes the prompt shorter.
-- `(1 + load)`: each request in flight or waiting ahead costs about one more prefill of this size; it is
-  a deliberately simple queue estimate that keeps a fast backend from being buried.
-- `correction` is learnt online per backend: an exponentially weighted mean of measured TTFT over the
-  predicted, queue-free TTFT of finished requests (`observe`), clipped to [0.1, 10]. It absorbs what
-  the roofline cannot know (kernels, quantisation, a noisy neighbour).
+`queue`, `prefill` and the decode step are `scoring/load.py`'s one load formula over the backend's
+reserved and reported work; prefill and transfer are `scoring/cost.py`'s roofline. Each plan also has a
+**cluster cost**: the seconds of work it adds (own prefill on its prefill backend; M times the marginal
+decode step on its decode backend), each backend's seconds weighted by its compute (its dense FLOP/s
+over the cluster's largest), so the plan that uses the least of the cluster's compute wins, and a
+compute-rich backend is not spent on work a compute-poor one does as well (decode on a bandwidth-rich,
+compute-poor backend is cheap; prefill costs about the same FLOPs anywhere).
 
-Ties (equal predictions) keep the rotation order, so identical backends share the load.
+**The choice.** Plans that meet the SLO (TTFT <= `ttft_s`, TPOT <= `tpot_s`, and the decode backend's
+KV holds the request) are feasible. Among them, those whose cost is within `cost_tolerance` of the
+cheapest, and of these the one that finishes first (TTFT + M * TPOT). Without a feasible plan, the one
+that finishes first. The SLO comes from the model's config (`slo: {ttft_s, tpot_s}`), the request
+(`RequestFeatures.slo_*`), or by default 5x the unloaded TTFT and 3x the unloaded TPOT of the fastest
+backend for this request (DistServe-style goodput SLO).
 
-With `disaggregation: auto`, `split_pays` decides each split by the same prediction: prefill on the
-prefill backend plus the KV transfer (`kv_transfer_time` over the slower side's link) against prefill on
-the decode backend itself, its queue and cached prefix included.
+**Roles.** Aggregated plans run on backends that may both prefill and decode (when there is none, on
+any healthy decode backend). A backend with both roles may be p in one plan and d in the next, so the
+prefill:decode ratio follows the traffic; a backend with one role only ever takes that role. `never`
+prices aggregated plans only; `always` split plans only (aggregated when no pair is healthy); `auto`
+both, splitting only when the decoder lacks at least `pd_min_prompt_tokens` of the prompt.
+
+**Calibration** (`observe`, outcomes built by `scoring/outcome.py`): k_b corrects the compute part
+only: (measured TTFT - the queue wait predicted at plan time) / the compute predicted at plan time,
+credited to the backend that prefilled (the prefill leg of a split is measured on its own), weighted by
+the compute's share of the prediction (which keeps it stable when the queue dominates). t_pd corrects
+the transfer per (prefill, decode) pair from the decode leg's time to first token. Each moves by
+`learning_rate` of its relative error, clipped to [0.1, 10]. Measured TPOT is not learnt from: it mixes
+the decode step with the prefill chunks of later requests (tried: it drove the decode factors to the
+clip limits and sent decodes to the compute-rich backend).
+
+Ties keep a rotating order, so identical backends share the load.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from scoring.catalog import Catalog, ModelSpec, load_catalog
-from scoring.cost import (
-    DEFAULT_EFFICIENCY,
-    Efficiency,
-    Hardware,
-    decode_step_time,
-    kv_transfer_time,
-    prefill_time,
+from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, ScalarStepTime, kv_transfer_time
+from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel
+from scoring.router import Rotation, SimpleRanker, SplitSettings
+from scoring.types import (
+    BackendSpec,
+    Candidates,
+    Disaggregation,
+    Leg,
+    Mode,
+    Outcome,
+    Prediction,
+    RequestFeatures,
+    RoutePlan,
 )
-from scoring.types import BackendSpec, Candidates, Outcome, RequestFeatures
+
+_CLIP = (0.1, 10.0)
 
 
-class CostRanker:
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Absolute targets in seconds (None: relative to the fastest backend, `*_factor` times unloaded)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    ttft_factor: float = 5.0
+    tpot_factor: float = 3.0
+
+
+@dataclass(slots=True)
+class _Cluster:
+    """What never changes for one set of backends: hardware rows, prices, per-pair transfer times (and
+    the corrections as arrays, rebuilt when they change)."""
+
+    specs: tuple[BackendSpec, ...]
+    work: WorkModel
+    price: np.ndarray  # compute weight of one second on each backend
+    transfer_per_token: np.ndarray  # [p, d] seconds per KV token, without the fixed latency
+    transfer_latency: np.ndarray  # [p, d]
+    fastest_prefill: ScalarStepTime  # the backend with the most compute, alone
+    fastest_decode: ScalarStepTime  # the backend with the most memory bandwidth, alone
+    rows: dict[str, int]  # backend id -> row
+    compute_factor: np.ndarray
+    pair_factor: np.ndarray  # [p, d]
+
+    def set_factor(self, key: str | tuple[str, str], value: float) -> None:
+        if isinstance(key, tuple):
+            if key[0] in self.rows and key[1] in self.rows:
+                self.pair_factor[self.rows[key[0]], self.rows[key[1]]] = value
+        elif key in self.rows:
+            self.compute_factor[self.rows[key]] = value
+
+
+@dataclass(slots=True)
+class _Priced:
+    wait: np.ndarray
+    compute: np.ndarray
+    tpot: np.ndarray
+    first_step: np.ndarray  # after a split: the decoder's step in progress, then its first decode step
+    decode_cost: np.ndarray
+    kv_ok: np.ndarray
+
+
+class CostRanker(SimpleRanker):
     name = "cost"
+    uses_prefix_index = True
+    ranks_decode = True
+    judges_split = True
+    learns = True
 
     def __init__(
         self,
@@ -47,77 +126,284 @@ class CostRanker:
         catalog: Catalog | None = None,
         efficiency: Efficiency = DEFAULT_EFFICIENCY,
         learning_rate: float = 0.1,
+        slo: Slo | None = None,
+        cost_tolerance: float = 0.5,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         self.model = model
         self.catalog = catalog or load_catalog()
         self.efficiency = efficiency
         self.learning_rate = learning_rate
-        self._turn = itertools.count()
-        self._hardware: dict[tuple[str, ...], Hardware] = {}
-        self._correction: dict[str, float] = {}
-        self._specs: dict[str, BackendSpec] = {}
+        self.slo = slo or Slo()
+        self.cost_tolerance = cost_tolerance
+        self.chunk_tokens = chunk_tokens
+        self._rotate = Rotation()
+        self._clusters: dict[tuple[str, ...], _Cluster] = {}
+        self._last: _Cluster | None = None
+        self._correction: dict[str, float] = {}  # compute (prefill and queue) per backend
+        self._pair_correction: dict[tuple[str, str], float] = {}
+
+    # --- pricing ---------------------------------------------------------------------------------------
+    def _price(self, request: RequestFeatures, c: Candidates, cl: _Cluster) -> _Priced:
+        work = cl.work
+        prompt, out = request.prompt_tokens, max(request.max_tokens, 1)
+        k = cl.compute_factor
+        seqs, context = c.decode_seqs, work.context(c.context_tokens, c.kv_usage)
+        cached = np.minimum(c.cached_tokens, max(prompt - 1, 0))  # vLLM recomputes the last token
+        new = prompt - cached
+        own = prompt + out / 2.0
+        # Two decode steps on every backend: the batch as it is, and with this request in it.
+        base, step = work.tpot_s(np.stack((seqs, seqs + 1.0)), np.stack((context, context + own)))
+        wait = k * work.queue_s(c.prefill_tokens, c.prefill_len, base)
+        compute = k * work.prefill_s(new, cached, base)
+        decode_cost = out * (step - base)
+        # Chunked prefill shares the decode steps: the prefill queued here stretches them (taken as
+        # the backend's ongoing prefill traffic), and a split's first token waits for one chunk.
+        tpot = step + wait / out
+        chunk_share = np.minimum(1.0, self.chunk_tokens / np.maximum(c.prefill_tokens, 1.0))
+        first_step = step + wait * chunk_share
+        kv_ok = context + prompt + out <= 0.95 * work.kv_capacity
+        return _Priced(wait, compute, tpot, first_step, decode_cost, kv_ok)
 
     def predicted_ttft(self, request: RequestFeatures, candidates: Candidates) -> np.ndarray:
-        hw = self._hardware_of(candidates.specs)
-        cached = np.minimum(candidates.cached_tokens, request.prompt_tokens)
-        new = np.maximum(request.prompt_tokens - cached, 1)
-        prefill = prefill_time(self.model, hw, new, cached, self.efficiency)
-        correction = np.array([self._correction.get(s.id, 1.0) for s in candidates.specs])
-        return correction * prefill * (1.0 + candidates.load)
+        """Aggregated TTFT on every backend (queue and own prefill, corrected)."""
+        p = self._price(request, candidates, self._cluster(candidates.specs))
+        return p.wait + p.compute
 
-    def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        eligible = np.flatnonzero(mask)
-        if eligible.size < 2:
-            return eligible
-        k = next(self._turn) % eligible.size
-        rotated = np.concatenate((eligible[k:], eligible[:k]))
-        return rotated[np.argsort(self.predicted_ttft(request, candidates)[rotated], kind="stable")]
+    def _targets(self, request: RequestFeatures, cl: _Cluster) -> tuple[float, float]:
+        """The request's SLO: its own, the model's, or relative to the cluster's fastest backends alone
+        (prefill on the most compute, decode on the most bandwidth)."""
+        ttft = request.slo_ttft_s or self.slo.ttft_s
+        tpot = request.slo_tpot_s or self.slo.tpot_s
+        prompt = request.prompt_tokens
+        if ttft is None:
+            ttft = self.slo.ttft_factor * cl.fastest_prefill(prompt, 0.5 * prompt * (prompt + 1), 0, 0)
+        if tpot is None:
+            tpot = self.slo.tpot_factor * cl.fastest_decode(0, 0, 1, prompt + 1)
+        return ttft, tpot
 
-    def rank_decode(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        """Backends by predicted time per output token once this request joins their batch (each sequence
-        taken to be about this request's length); bandwidth-rich backends win, load spreads the rest."""
-        eligible = np.flatnonzero(mask)
-        if eligible.size < 2:
-            return eligible
-        k = next(self._turn) % eligible.size
-        rotated = np.concatenate((eligible[k:], eligible[:k]))
-        batch = candidates.load + 1.0
-        context = batch * (request.prompt_tokens + request.max_tokens)
-        tpot = decode_step_time(
-            self.model, self._hardware_of(candidates.specs), batch, context, self.efficiency
+    # --- the choice ------------------------------------------------------------------------------------
+    def choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan:
+        c = candidates
+        healthy = c.healthy
+        both = healthy & c.can_prefill & c.can_decode
+        # Without a backend that may do both, aggregated serving on a single-role one is a fallback
+        # only: it is chosen when no split is allowed or possible.
+        agg_fallback = not both.any()
+        agg_mask = healthy & c.can_decode if agg_fallback else both
+        if not agg_mask.any():
+            agg_mask = healthy
+        if not agg_mask.any():
+            return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
+        cl = self._cluster(c.specs)
+        p = self._price(request, c, cl)
+        slo_ttft, slo_tpot = self._targets(request, cl)
+        out = max(request.max_tokens, 1)
+        order = self._rotate(np.flatnonzero(agg_mask))
+        agg_ttft = p.wait + p.compute
+        agg_finish = agg_ttft + out * p.tpot
+        agg_cost = cl.price * p.compute + cl.price * p.decode_cost
+        agg_ok = (agg_ttft <= slo_ttft) & (p.tpot <= slo_tpot) & p.kv_ok
+        agg_key = _order(order, agg_cost[order], agg_finish[order], agg_ok[order], self.cost_tolerance)
+        aggregated = tuple(agg_key.tolist())
+        best_agg = aggregated[0]
+        pair = None
+        if split.disaggregation is not Disaggregation.NEVER:
+            pair = self._best_pair(request, c, cl, p, split, (slo_ttft, slo_tpot))
+        agg_pred = Prediction(
+            float(p.wait[best_agg]), float(p.compute[best_agg]), 0.0, float(agg_ttft[best_agg]),
+            float(p.tpot[best_agg]),
+        )  # fmt: skip
+        if pair is None:
+            reason = "never" if split.disaggregation is Disaggregation.NEVER else "no_split"
+            return RoutePlan(Mode.AGGREGATED, aggregated, reason=reason, predicted=agg_pred)
+        prefills, decodes, pair_pred, pair_key = pair
+        if split.disaggregation is Disaggregation.AUTO and not agg_fallback:
+            agg_rank = (not bool(agg_ok[best_agg]), agg_cost[best_agg], float(agg_finish[best_agg]))
+            if not _pair_wins(pair_key, agg_rank, self.cost_tolerance):
+                return RoutePlan(Mode.AGGREGATED, aggregated, reason="split_costlier", predicted=agg_pred)
+        return RoutePlan(Mode.PD, aggregated, prefills, decodes, reason="split", predicted=pair_pred)
+
+    def _best_pair(
+        self,
+        request: RequestFeatures,
+        c: Candidates,
+        cl: _Cluster,
+        p: _Priced,
+        split: SplitSettings,
+        slo: tuple[float, float],
+    ) -> tuple[tuple[int, ...], tuple[int, ...], Prediction, tuple[bool, float, float]] | None:
+        """The best (prefill, decode) pair with the fallbacks of each leg, or None when no pair is
+        allowed. Vectorised over the pairs of the `shortlist` best of each side (by time and by cost):
+        a pair's time and cost are its legs' sums plus the transfer, so the best pair is almost always
+        among them, and 64 backends price 16 x 16 pairs instead of 4,032."""
+        prefill_rows = np.flatnonzero(c.healthy & c.can_prefill)
+        decode_rows = np.flatnonzero(c.healthy & c.can_decode)
+        if split.disaggregation is Disaggregation.AUTO:
+            lacking = request.prompt_tokens - c.cached_tokens[decode_rows]
+            decode_rows = decode_rows[lacking >= split.pd_min_prompt_tokens]
+        if prefill_rows.size == 0 or decode_rows.size == 0:
+            return None
+        out = max(request.max_tokens, 1)
+        prefill_rows = self._rotate(
+            _shortlist(prefill_rows, (p.wait + p.compute)[prefill_rows], (cl.price * p.compute)[prefill_rows])
         )
-        return rotated[np.argsort(tpot[rotated], kind="stable")]
-
-    def split_pays(self, request: RequestFeatures, candidates: Candidates, prefill: int, decode: int) -> bool:
-        """True when prefill on `prefill` plus shipping the prompt's KV to `decode` is predicted to reach
-        the first token sooner than prefilling on `decode` itself (its queue and cache included)."""
-        ttft = self.predicted_ttft(request, candidates)
-        hw = self._hardware_of(candidates.specs)
-        transfer = kv_transfer_time(
-            self.model, hw.row(prefill), hw.row(decode), request.prompt_tokens, self.efficiency
+        decode_rows = self._rotate(
+            _shortlist(
+                decode_rows,
+                (p.first_step + out * p.tpot)[decode_rows],
+                (cl.price * p.decode_cost)[decode_rows],
+            )
         )
-        return float(ttft[prefill] + transfer[0]) < float(ttft[decode])
+        transfer = cl.pair_factor[np.ix_(prefill_rows, decode_rows)] * (
+            cl.transfer_per_token[np.ix_(prefill_rows, decode_rows)] * request.prompt_tokens
+            + cl.transfer_latency[np.ix_(prefill_rows, decode_rows)]
+        )
+        ready = (p.wait + p.compute)[prefill_rows][:, None]
+        tpot = p.tpot[decode_rows][None, :]
+        ttft = ready + transfer + p.first_step[decode_rows][None, :]
+        finish = ttft + out * tpot
+        cost = (cl.price * p.compute)[prefill_rows][:, None] + (cl.price * p.decode_cost)[decode_rows][
+            None, :
+        ]
+        ok = (ttft <= slo[0]) & (tpot <= slo[1]) & p.kv_ok[decode_rows][None, :]
+        same = prefill_rows[:, None] == decode_rows[None, :]
+        if same.all():
+            return None
+        finish = np.where(same, np.inf, finish)
+        ok &= ~same
+        a, b = _best(cost, finish, ok, self.cost_tolerance)
+        pi, di = int(prefill_rows[a]), int(decode_rows[b])
+        key = (not bool(ok[a, b]), float(cost[a, b]), float(finish[a, b]))
+        # Fallbacks of each leg with the other leg fixed, in the same order.
+        col = _order(prefill_rows, cost[:, b], finish[:, b], ok[:, b], self.cost_tolerance).tolist()
+        row = _order(decode_rows, cost[a], finish[a], ok[a], self.cost_tolerance).tolist()
+        prefills = tuple(i for i in col if i != di)
+        decodes = tuple(i for i in row if i != pi)
+        pred = Prediction(
+            float(p.wait[pi]),
+            float(p.compute[pi]),
+            float(transfer[a, b]),
+            float(ttft[a, b]),
+            float(p.tpot[di]),
+        )
+        return prefills, decodes, pred, key
 
+    # --- calibration -----------------------------------------------------------------------------------
     def observe(self, outcome: Outcome) -> None:
-        spec = self._specs.get(outcome.backend_id)
-        if spec is None or outcome.ttft_s <= 0:
+        pred = outcome.predicted
+        if pred is None or outcome.ttft_s <= 0:
             return
-        hw = self._hardware_of((spec,))
-        new = max(outcome.prompt_tokens - outcome.cached_tokens, 1)
-        predicted = float(prefill_time(self.model, hw, new, outcome.cached_tokens, self.efficiency)[0])
-        ratio = float(np.clip(outcome.ttft_s / predicted, 0.1, 10.0))
-        old = self._correction.get(spec.id, 1.0)
-        self._correction[spec.id] = old + self.learning_rate * (ratio - old)
+        if outcome.leg in (Leg.AGGREGATED, Leg.PREFILL):
+            self._learn(self._correction, outcome.backend_id, outcome.ttft_s, pred.compute_s, pred.wait_s)
+        if outcome.leg is Leg.DECODE:
+            first_step = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
+            key = (outcome.peer_id, outcome.backend_id)
+            self._learn(self._pair_correction, key, outcome.ttft_s, pred.transfer_s, first_step)
+
+    def _learn(
+        self, table: dict[Any, float], key: str | tuple[str, str], measured: float, part: float, rest: float
+    ) -> None:
+        """Correct `part` (the predicted seconds this correction scales) from a measurement of
+        `part + rest`: the part's own ratio, (measured - rest) / part, weighted by its share of the
+        prediction. With the queue as `rest` this corrects compute only, and the weight keeps it stable
+        when the queue dominates (it equals moving by the relative error of the whole prediction). The
+        prediction carried the old correction, so the ratio is relative to it."""
+        total = part + rest
+        if part <= 0 or not math.isfinite(measured) or total <= 0:
+            return
+        ratio = (measured - rest) / part
+        old = table.get(key, 1.0)
+        step = 1.0 + self.learning_rate * (part / total) * (ratio - 1.0)
+        table[key] = float(np.clip(old * max(step, 0.5), *_CLIP))
+        for cl in self._clusters.values():  # the arrays the pricing reads
+            cl.set_factor(key, table[key])
 
     def correction(self, backend_id: str) -> float:
+        """The compute correction of one backend (1.0: the roofline as it is)."""
         return self._correction.get(backend_id, 1.0)
 
-    def _hardware_of(self, specs: tuple[BackendSpec, ...]) -> Hardware:
+    def corrections(self) -> dict[str, float]:
+        return dict(self._correction)
+
+    def _cluster(self, specs: tuple[BackendSpec, ...]) -> _Cluster:
+        last = self._last
+        if last is not None and last.specs is specs:  # the pool passes the same tuple every time
+            return last
         key = tuple(s.id for s in specs)
-        hw = self._hardware.get(key)
-        if hw is None:
+        cl = self._clusters.get(key)
+        if cl is None:
             accelerators = [self.catalog.accelerator(s.accelerator) for s in specs]
             hw = Hardware.of(accelerators, [s.gpus for s in specs], self.model.compute_dtype)
-            self._hardware[key] = hw
-            self._specs.update((s.id, s) for s in specs)
-        return hw
+            column = Hardware(*(getattr(hw, f)[:, None] for f in _FIELDS))
+            row = Hardware(*(getattr(hw, f)[None, :] for f in _FIELDS))
+            latency = kv_transfer_time(self.model, column, row, 0, self.efficiency)
+            per_token = kv_transfer_time(self.model, column, row, 1, self.efficiency) - latency
+            cl = _Cluster(
+                specs,
+                WorkModel(self.model, hw, self.efficiency, self.chunk_tokens),
+                hw.gemm_flops / hw.gemm_flops.max(),
+                np.asarray(per_token),
+                np.asarray(latency),
+                ScalarStepTime(self.model, hw.row(int(np.argmax(hw.gemm_flops))), self.efficiency),
+                ScalarStepTime(self.model, hw.row(int(np.argmax(hw.mem_bw))), self.efficiency),
+                {s.id: i for i, s in enumerate(specs)},
+                np.array([self._correction.get(s.id, 1.0) for s in specs]),
+                np.array([[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]),
+            )
+            self._clusters[key] = cl
+        self._last = cl
+        return cl
+
+
+_FIELDS = ("gemm_flops", "attn_flops", "mem_bw", "mem_bytes", "scale_up_bw", "scale_out_bw", "gpus")
+
+
+def _order(
+    rows: np.ndarray, cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float
+) -> np.ndarray:
+    """`rows` best-first: feasible plans within `tolerance` of the cheapest feasible cost (earliest
+    finish first), then the other feasible ones, then the infeasible ones (each by earliest finish)."""
+    if ok.any():
+        cheap = ok & (cost <= cost[ok].min() * (1.0 + tolerance))
+        tier = np.where(cheap, 0, np.where(ok, 1, 2))
+    else:
+        tier = np.zeros(rows.size, dtype=int)
+    return rows[np.lexsort((finish, tier))]
+
+
+SHORTLIST = 8
+
+
+def _shortlist(rows: np.ndarray, time: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """`rows` reduced to the `SHORTLIST` quickest and the `SHORTLIST` cheapest (in row order)."""
+    if rows.size <= 2 * SHORTLIST:
+        return rows
+    keep = np.zeros(rows.size, dtype=bool)
+    keep[np.argpartition(time, SHORTLIST)[:SHORTLIST]] = True
+    keep[np.argpartition(cost, SHORTLIST)[:SHORTLIST]] = True
+    return rows[keep]
+
+
+def _best(cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float) -> tuple[int, int]:
+    """The first entry `_order` would give over a matrix of plans, without sorting them all."""
+    if ok.any():
+        cheap = ok & (cost <= cost[ok].min() * (1.0 + tolerance))
+        flat = int(np.argmin(np.where(cheap, finish, np.inf)))
+    else:
+        flat = int(np.argmin(finish))
+    a, b = divmod(flat, finish.shape[1])
+    return a, b
+
+
+def _pair_wins(pair: tuple[bool, float, float], agg: tuple[bool, float, float], tolerance: float) -> bool:
+    """Compare the best split with the best aggregated plan by the same rule as `_order`."""
+    if pair[0] != agg[0]:
+        return not pair[0]  # feasible beats infeasible
+    if not pair[0]:
+        cheapest = min(pair[1], agg[1])
+        pair_cheap = pair[1] <= cheapest * (1.0 + tolerance)
+        agg_cheap = agg[1] <= cheapest * (1.0 + tolerance)
+        if pair_cheap != agg_cheap:
+            return pair_cheap
+    return pair[2] < agg[2]

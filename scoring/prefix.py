@@ -1,108 +1,94 @@
-"""Prefix policy: cache affinity with a load guard.
+"""Prefix policy: SGLang's `cache_aware` router, on hetgate's prefix index.
 
-The algorithm
--------------
-A backend that already holds the start of a prompt in its KV cache skips that part of the prefill: the
-time to first token falls with every cached token (vLLM's prefix caching; SGLang's radix cache). So the
-policy sends a request where the longest prefix of its prompt is cached, as long as that does not pile
-work onto one backend while others idle. Per request, over the healthy backends that can decode:
+The algorithm (sgl-router `policies/cache_aware.rs`)
+----------------------------------------------------
+A backend that already holds the start of a prompt in its KV cache skips that part of the prefill. SGLang's
+router keeps an approximate radix tree of what it sent where; hetgate's prefix index answers the same
+question per backend (`Candidates.cached_tokens`, matched blocks x block size). Per request, over the
+eligible backends:
 
-1. `Candidates.cached_tokens[i]` (from the prefix index: matched blocks x block size) says how many
-   leading prompt tokens backend i holds.
-2. A backend is *overloaded* when its load exceeds the least-loaded eligible backend's load by BOTH
-   `balance_abs_threshold` requests AND a factor `balance_rel_threshold`. This is SGLang cache_aware's
-   balance rule, applied per backend: an affinity target is dropped only when it is far behind in
-   absolute terms and in relative terms, so a small queue on an idle cluster (1 vs 0) never breaks
-   affinity, and neither does a modest spread on a busy one (300 vs 250).
-3. Backends with a cached prefix that are not overloaded come first, longest prefix first (ties: lower
-   load). If there is none, because nothing is cached or every holder is overloaded, the request goes
-   least-load first: load / capacity, ties rotated between requests so a cold start spreads out.
-4. The rest follow in least-load order: they are the proxy's fallbacks when the first choice fails.
+1. **Imbalanced?** The load of every backend (requests in flight or queued, a count, as SGLang's) is
+   compared: the cluster is imbalanced when `max - min > balance_abs_threshold` AND
+   `max > min * balance_rel_threshold`. Then the request goes to the least-loaded backend, whatever is
+   cached.
+2. **Otherwise, cache affinity.** The match rate is the share of the prompt the best holder has cached
+   *beyond what every eligible backend holds*. If it exceeds `cache_threshold`, the request goes to that
+   holder (several equal holders: the least loaded of them).
+3. **Otherwise, the emptiest cache.** SGLang sends it to the worker with the smallest tree (the one
+   holding least, so it has room and gains most from a new prefix); here the backend with the lowest KV
+   cache usage, ties by load, then rotating.
 
-"Load" is `Candidates.load`, in-flight plus waiting requests, in requests (not normalised by capacity),
-because the thresholds are request counts as in SGLang; the least-load fallback order does normalise by
-capacity, like the `least_load` policy, so a big backend takes its share.
+Where this differs from SGLang, and why: SGLang's match rate counts every matched character, so when every
+worker holds a shared system prompt the match passes the threshold and the tree's first holder takes the
+request; on real traffic, where every conversation starts with the same block, that sends everything to one
+server. Counting only what the holder has *beyond the common part* keeps SGLang's rule for real affinity
+and spreads requests whose only shared part is everywhere.
 
-The knobs
----------
-- `balance_abs_threshold` (default 32 requests): how many more requests than the least-loaded backend
-  an affinity target may carry. Higher keeps more cache hits under skewed traffic, at the price of
-  queueing behind a hot backend. SGLang's default is 64, tuned for GPUs with hundreds of concurrent
-  sequences; we default lower because hetgate mixes slower accelerators with smaller batches.
-- `balance_rel_threshold` (default 1.5): the same bound as a ratio to the least-loaded backend's load.
-  With both at their defaults an affinity target is abandoned at, e.g., 49 vs 16, but kept at 48 vs 16
-  or 40 vs 30.
+The rest of the ranking (the proxy's fallbacks) is least-load order. In a split, SGLang's P/D router picks
+the prefill worker cache-aware and the decode worker by least load; so does this policy (`rank_decode`).
 
-`prefix_hit_score` gives the cost router the same signal as a score in [0, 1]: the share of the prompt
-each backend already holds.
+The knobs (SGLang's defaults)
+-----------------------------
+- `cache_threshold` (0.3): the share of the prompt a holder must have beyond the common part.
+- `balance_abs_threshold` (64 requests) and `balance_rel_threshold` (1.5): both must be exceeded for the
+  cluster to count as imbalanced.
 """
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
-from scoring.types import Candidates, Mode, Outcome, RequestFeatures, RoutePlan
+from scoring.router import Rotation, SimpleRanker, least_load_order
+from scoring.types import Candidates, RequestFeatures
 
 
-def prefix_hit_score(request: RequestFeatures, candidates: Candidates) -> np.ndarray:
-    """Cached share of the prompt per backend, in [0, 1] (0 for an empty prompt)."""
-    cached = np.asarray(candidates.cached_tokens, dtype=float)
-    if request.prompt_tokens <= 0:
-        return np.zeros(len(candidates))
-    return np.clip(cached / float(request.prompt_tokens), 0.0, 1.0)
-
-
-def overloaded(load: np.ndarray, abs_threshold: float, rel_threshold: float) -> np.ndarray:
-    """Which entries of `load` exceed its minimum by both thresholds (SGLang's imbalance rule)."""
+def imbalanced(load: np.ndarray, abs_threshold: float, rel_threshold: float) -> bool:
+    """SGLang's rule over the whole set: max - min > abs AND max > min * rel."""
     if load.size == 0:
-        return np.zeros(0, dtype=bool)
-    least = load.min()
-    return ((load - least) > abs_threshold) & (load > least * rel_threshold)
+        return False
+    most, least = float(load.max()), float(load.min())
+    return most - least > abs_threshold and most > least * rel_threshold
 
 
-class PrefixRouter:
-    """Cache affinity with a load guard; both a `Router` (plan) and a ranker (rank) for PlanningRouter."""
+class CacheAware(SimpleRanker):
+    """SGLang's cache-aware policy as a ranker for `PlanningRouter` (see the module docstring)."""
 
     name = "prefix"
+    uses_prefix_index = True
+    ranks_decode = True
 
-    def __init__(self, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.5) -> None:
-        if balance_abs_threshold < 0 or balance_rel_threshold < 1:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+    def __init__(
+        self,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: float = 64,
+        balance_rel_threshold: float = 1.5,
+    ) -> None:
+        if not 0 <= cache_threshold <= 1 or balance_abs_threshold < 0 or balance_rel_threshold < 1:
+            raise ValueError(
+                "cache_threshold must be in [0, 1], balance_abs_threshold >= 0, balance_rel_threshold >= 1"
+            )
+        self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self._turn = itertools.count()
-
-    def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
-        mask = candidates.healthy & candidates.can_decode
-        ranked, reason = self._rank(candidates, mask)
-        return RoutePlan(mode=Mode.AGGREGATED, aggregated=tuple(int(i) for i in ranked), reason=reason)
+        self._rotate = Rotation()
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        return self._rank(candidates, mask)[0]
+        order = least_load_order(self._rotate(np.flatnonzero(mask)), candidates)
+        if order.size < 2:
+            return order
+        first = self._first(request, candidates, order)
+        return np.concatenate(([first], order[order != first]))
 
-    def observe(self, outcome: Outcome) -> None:
-        """The index learns what backends hold; the policy itself keeps no state to correct."""
+    def rank_decode(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
+        return least_load_order(self._rotate(np.flatnonzero(mask)), candidates)
 
-    def _rank(self, candidates: Candidates, mask: np.ndarray) -> tuple[np.ndarray, str]:
-        eligible = np.flatnonzero(mask)
-        if eligible.size == 0:
-            return eligible, "no_healthy_backend"
-        # Rotate first: the stable sorts below then break ties differently on every request.
-        eligible = np.roll(eligible, -(next(self._turn) % eligible.size))
-        cached = np.asarray(candidates.cached_tokens, dtype=float)[eligible]
-        load = np.asarray(candidates.load, dtype=float)[eligible]
-        hot = overloaded(load, self.balance_abs_threshold, self.balance_rel_threshold)
-        affine = (cached > 0) & ~hot
-        first = eligible[affine][np.lexsort((load[affine], -cached[affine]))]
-        rest = eligible[~affine]
-        utilisation = load[~affine] / np.maximum(np.asarray(candidates.capacity, dtype=float)[rest], 1.0)
-        rest = rest[np.lexsort((-cached[~affine], utilisation))]
-        return np.concatenate([first, rest]), _reason(affine.any(), (cached > 0).any())
-
-
-def _reason(followed: bool | np.bool_, anything_cached: bool | np.bool_) -> str:
-    if followed:
-        return "prefix_hit"
-    return "prefix_overloaded" if anything_cached else "no_prefix"
+    def _first(self, request: RequestFeatures, candidates: Candidates, order: np.ndarray) -> int:
+        """`order` is least-load first (ties rotated), so each argmax/argmin below breaks ties by load."""
+        load = candidates.load[order]
+        if imbalanced(load, self.balance_abs_threshold, self.balance_rel_threshold):
+            return int(order[0])
+        cached = candidates.cached_tokens[order]
+        beyond = cached - cached.min()
+        if request.prompt_tokens > 0 and beyond.max() / request.prompt_tokens > self.cache_threshold:
+            return int(order[int(np.argmax(cached))])
+        return int(order[int(np.argmin(candidates.kv_usage[order]))])

@@ -4,15 +4,16 @@ A plan is built in three steps, all pure and vectorised over the model's backend
 
 1. **Filter.** Only healthy backends take part. Aggregated serving prefers backends with the decode role
    (a prefill-only pool is kept for prompts); when none is healthy, any healthy backend serves.
-2. **Rank.** A `Ranker` orders the eligible backends best-first: `round_robin`, `least_load` (in-flight plus
-   waiting, divided by capacity), or `prefix` (cache affinity with a load guard, `scoring/prefix.py`). The
-   whole order is kept: entries after the first are the fallbacks the proxy tries on failure.
+2. **Rank.** A `Ranker` orders the eligible backends best-first: `round_robin`, `least_load` (requests in
+   flight or queued, divided by capacity), or `prefix` (SGLang's cache-aware policy, `scoring/prefix.py`).
+   The whole order is kept: entries after the first are the fallbacks the proxy tries on failure.
 3. **Split or not.** `never` serves aggregated. `always` splits whenever a prefill backend distinct from the
    chosen decode backend is healthy. `auto` splits when the prompt tokens the decode backend does not
-   already hold reach `pd_min_prompt_tokens` (below that, shipping KV costs more than recomputing it);
-   with the `cost` policy it then splits only when prefill elsewhere plus the KV transfer is predicted
-   to reach the first token sooner than prefill on the decode backend itself.
+   already hold reach `pd_min_prompt_tokens` (below that, shipping KV costs more than recomputing it).
    Decode is picked first (like llm-d), so a decode backend that holds the prefix keeps it.
+
+The `cost` policy (`scoring/cost_policy.py`) replaces steps 2-3: it prices every aggregated and split
+plan in seconds and returns the plan itself (`Ranker.judges_split`).
 """
 
 from __future__ import annotations
@@ -27,49 +28,112 @@ from scoring.types import Candidates, Disaggregation, Mode, Outcome, RequestFeat
 
 
 class Ranker(Protocol):
-    """Orders the backends in `mask` best-first; returns their indices."""
+    """Orders the backends in `mask` best-first; returns their indices.
+
+    What a policy uses is declared, not discovered:
+    - `uses_prefix_index`: it reads `Candidates.cached_tokens` (the gateway and the simulator look the
+      prompt up in the prefix index only for such policies);
+    - `ranks_decode`: `rank_decode` orders decode backends for a split by its own measure (otherwise
+      the aggregated order is used);
+    - `judges_split`: `choose` prices whole plans (aggregated on b; prefill on p, decode on d) and
+      returns the plan itself; `PlanningRouter` then only hands it the split setting;
+    - `learns`: `observe` corrects the policy with measured outcomes (otherwise it does nothing).
+    """
 
     name: str
+    uses_prefix_index: bool
+    ranks_decode: bool
+    judges_split: bool
+    learns: bool
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray: ...
 
+    def rank_decode(
+        self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray
+    ) -> np.ndarray: ...
 
-class RoundRobin:
-    name = "round_robin"
+    def choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan: ...
 
-    def __init__(self) -> None:
-        self._turn = itertools.count()
+    def observe(self, outcome: Outcome) -> None: ...
 
-    def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        return _rotated(np.flatnonzero(mask), next(self._turn))
-
-
-class LeastLoad:
-    """Lowest (in-flight + waiting) / capacity first; ties rotate so equal backends share the load."""
-
-    name = "least_load"
-
-    def __init__(self) -> None:
-        self._turn = itertools.count()
-
-    def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        rotated = _rotated(np.flatnonzero(mask), next(self._turn))
-        utilisation = (candidates.load / candidates.capacity)[rotated]  # capacity >= 1 (max_num_seqs)
-        return rotated[np.argsort(utilisation, kind="stable")]
-
-
-def _rotated(indices: np.ndarray, turn: int) -> np.ndarray:
-    """`indices` starting at position turn mod size (np.roll's result at a fraction of its cost)."""
-    if indices.size < 2:
-        return indices
-    k = turn % indices.size
-    return np.concatenate((indices[k:], indices[:k]))
+    def correction(self, backend_id: str) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
 class SplitSettings:
     disaggregation: Disaggregation = Disaggregation.NEVER
     pd_min_prompt_tokens: int = 1024
+
+
+class Rotation:
+    """Turns through equal choices: each call starts `indices` one place further (the one rotation
+    helper of every policy; stable sorts after it then break ties differently on every request)."""
+
+    __slots__ = ("_turn",)
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        turn = next(self._turn)
+        if indices.size < 2:
+            return indices
+        k = turn % indices.size
+        return np.concatenate((indices[k:], indices[:k]))
+
+
+class SimpleRanker:
+    """Defaults for rankers that only `rank`: no prefix index, no decode ranking, no plans, no learning."""
+
+    name = ""
+    uses_prefix_index = False
+    ranks_decode = False
+    judges_split = False
+    learns = False
+
+    def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def rank_decode(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
+        return self.rank(request, candidates, mask)
+
+    def choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan:
+        raise NotImplementedError(f"{self.name} does not price plans")
+
+    def observe(self, outcome: Outcome) -> None:
+        """Nothing to learn."""
+
+    def correction(self, backend_id: str) -> float:
+        return 1.0
+
+
+class RoundRobin(SimpleRanker):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._rotate = Rotation()
+
+    def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
+        return self._rotate(np.flatnonzero(mask))
+
+
+class LeastLoad(SimpleRanker):
+    """Lowest requests in flight or queued per unit of capacity first; ties rotate so equal backends
+    share the load."""
+
+    name = "least_load"
+
+    def __init__(self) -> None:
+        self._rotate = Rotation()
+
+    def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
+        return least_load_order(self._rotate(np.flatnonzero(mask)), candidates)
+
+
+def least_load_order(rotated: np.ndarray, candidates: Candidates) -> np.ndarray:
+    """`rotated` by load / capacity, ties kept in the given order (capacity >= 1: max_num_seqs)."""
+    utilisation = (candidates.load / candidates.capacity)[rotated]
+    return rotated[np.argsort(utilisation, kind="stable")]
 
 
 class PlanningRouter:
@@ -82,8 +146,12 @@ class PlanningRouter:
         self.prefill_ranker = prefill_ranker or ranker
         self.split = split
         self.name = ranker.name
+        self.uses_prefix_index = ranker.uses_prefix_index
+        self.learns = ranker.learns
 
     def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
+        if self.ranker.judges_split:
+            return self.ranker.choose(request, candidates, self.split)
         healthy = candidates.healthy
         aggregated = tuple(self.ranker.rank(request, candidates, healthy & candidates.can_decode).tolist())
         if not aggregated:  # no healthy decode backend: any healthy one serves
@@ -108,39 +176,29 @@ class PlanningRouter:
             if uncached < self.split.pd_min_prompt_tokens:
                 return RoutePlan(mode=Mode.AGGREGATED, aggregated=aggregated, reason="short_prompt")
         prefill = tuple(self.prefill_ranker.rank(request, candidates, prefill_mask).tolist())
-        if self.split.disaggregation is Disaggregation.AUTO and not self._split_pays(
-            request, candidates, prefill[0], decode
-        ):
-            return RoutePlan(mode=Mode.AGGREGATED, aggregated=aggregated, reason="split_costlier")
         return RoutePlan(mode=Mode.PD, aggregated=aggregated, prefill=prefill, decode=decodes, reason="split")
 
     def _decode_order(
         self, request: RequestFeatures, candidates: Candidates, aggregated: tuple[int, ...]
     ) -> tuple[int, ...]:
-        """Decode backends best-first. A ranker that predicts decode costs (`cost`) orders them by time per
-        output token; ranking them by time to first token would make the decode pick the prefill pick too,
-        and no split could ever pay. Other rankers keep the aggregated order."""
-        rank_decode = getattr(self.ranker, "rank_decode", None)
-        if rank_decode is not None:
+        """Decode backends best-first: by the ranker's own decode measure when it has one (`prefix`:
+        least load, as SGLang's cache-aware P/D pair), else in the aggregated order (decode is picked
+        first, like llm-d, so a decode backend that holds the prefix keeps it)."""
+        if self.ranker.ranks_decode:
             mask = candidates.healthy & candidates.can_decode
-            order = tuple(rank_decode(request, candidates, mask).tolist())
+            order = tuple(self.ranker.rank_decode(request, candidates, mask).tolist())
         else:
             order = tuple(i for i in aggregated if candidates.can_decode[i])
         return order or aggregated
 
-    def _split_pays(
-        self, request: RequestFeatures, candidates: Candidates, prefill: int, decode: int
-    ) -> bool:
-        """Rankers that predict costs (`cost`) judge each split; the others split above the threshold."""
-        judge = getattr(self.prefill_ranker, "split_pays", None)
-        return judge is None or judge(request, candidates, prefill, decode)
-
     def observe(self, outcome: Outcome) -> None:
-        """Passes what a finished request measured to rankers that learn (the cost policy)."""
+        """Passes what a finished request leg measured to rankers that learn (the cost policy)."""
         for ranker in {id(r): r for r in (self.ranker, self.prefill_ranker)}.values():
-            learn = getattr(ranker, "observe", None)
-            if learn is not None:
-                learn(outcome)
+            if ranker.learns:
+                ranker.observe(outcome)
+
+    def correction(self, backend_id: str) -> float:
+        return self.ranker.correction(backend_id)
 
 
 def build_ranker(policy: str, **knobs: Any) -> Ranker:
@@ -149,9 +207,9 @@ def build_ranker(policy: str, **knobs: Any) -> Ranker:
     if policy == "least_load":
         return LeastLoad()
     if policy == "prefix":
-        from scoring.prefix import PrefixRouter  # the prefix policy lives with its long explanation
+        from scoring.prefix import CacheAware  # the prefix policy lives with its long explanation
 
-        return PrefixRouter(**knobs)
+        return CacheAware(**knobs)
     if policy == "cost":
         from scoring.cost_policy import CostRanker
 
@@ -166,5 +224,6 @@ def build_router(
     **knobs: Any,
 ) -> PlanningRouter:
     split = SplitSettings(Disaggregation(disaggregation), pd_min_prompt_tokens)
-    prefill_ranker = None if split.disaggregation is Disaggregation.NEVER else build_ranker(policy, **knobs)
-    return PlanningRouter(build_ranker(policy, **knobs), split, prefill_ranker)
+    ranker = build_ranker(policy, **knobs)
+    simple_split = split.disaggregation is not Disaggregation.NEVER and not ranker.judges_split
+    return PlanningRouter(ranker, split, build_ranker(policy, **knobs) if simple_split else None)

@@ -45,13 +45,18 @@ class BackendSpec:
 
 @dataclass(frozen=True, slots=True)
 class BackendStats:
-    """Live load of one backend: the gateway's own count plus what vLLM's /metrics said last."""
+    """Live load of one backend: the gateway's own accounting (in-flight legs and the work they reserved
+    when planned) plus what vLLM's /metrics said last. `scoring/load.py` reconciles the two."""
 
     healthy: bool = True
     in_flight: int = 0
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    prefill_tokens: int = 0  # reserved: uncached prompt tokens not yet prefilled
+    prefill_seqs: int = 0  # reserved: legs whose prefill is not done
+    decode_seqs: int = 0  # reserved: sequences that will decode here
+    context_tokens: int = 0  # reserved: prompt tokens those sequences hold in KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,9 @@ class RequestFeatures:
     stream: bool = False
     # Chained block hashes of the prompt, per block size used by this model's backends.
     block_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    # Per-request SLO in seconds (headers x-hetgate-slo-ttft-ms / -tpot-ms); None: the model's.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -71,7 +79,10 @@ class Candidates:
     """The backends serving one model, as parallel arrays (one row per backend).
 
     `cached_tokens[i]` is how many leading prompt tokens backend i holds in KV cache (prefix index);
-    `load` is in-flight plus waiting requests; `capacity` is how many requests it serves at once.
+    `load` is requests in flight or queued (a count, for the count-based policies); `capacity` is how
+    many requests it serves at once. The work columns (`prefill_tokens`, `prefill_len`, `decode_seqs`,
+    `context_tokens`) say what the backend has ahead of a new request, as `scoring/load.py` reconciles
+    them; `scoring/load.py`'s `WorkModel` prices them in seconds.
     """
 
     specs: tuple[BackendSpec, ...]
@@ -82,6 +93,10 @@ class Candidates:
     capacity: np.ndarray
     kv_usage: np.ndarray
     cached_tokens: np.ndarray
+    prefill_tokens: np.ndarray
+    prefill_len: np.ndarray
+    decode_seqs: np.ndarray
+    context_tokens: np.ndarray
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -97,17 +112,52 @@ class Candidates:
         stats: tuple[BackendStats, ...],
         cached_tokens: np.ndarray | None = None,
     ) -> Candidates:
+        """From per-backend stats (tests, small tools); the registry and the simulator fill the same
+        columns from their own state through the same formula (`scoring.load.load_columns`)."""
+        from scoring.load import load_columns  # load.py imports this module
+
         n = len(specs)
+
+        def col(name: str) -> np.ndarray:
+            return np.fromiter((getattr(s, name) for s in stats), dtype=float, count=n)
+
+        columns = load_columns(
+            col("in_flight"),
+            col("running"),
+            col("waiting"),
+            col("prefill_tokens"),
+            col("prefill_seqs"),
+            col("decode_seqs"),
+            col("context_tokens"),
+        )
         return cls(
             specs=specs,
             healthy=np.fromiter((s.healthy for s in stats), dtype=bool, count=n),
             can_prefill=np.fromiter((Role.PREFILL in s.roles for s in specs), dtype=bool, count=n),
             can_decode=np.fromiter((Role.DECODE in s.roles for s in specs), dtype=bool, count=n),
-            load=np.fromiter((max(s.in_flight, s.running) + s.waiting for s in stats), dtype=float, count=n),
             capacity=np.fromiter((s.max_num_seqs for s in specs), dtype=float, count=n),
-            kv_usage=np.fromiter((s.kv_usage for s in stats), dtype=float, count=n),
+            kv_usage=col("kv_usage"),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
+            **columns,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What a pricing policy (`cost`) expects of the plan it chose, in seconds.
+
+    `wait_s` is the queue ahead of the request's prefill, `compute_s` its own prefill, both on the
+    prefill backend (the aggregated one when not split); `transfer_s` the KV transfer (0 when not
+    split); `ttft_s` their sum plus the first decode step after a split; `tpot_s` the decode step at the
+    batch and context the request joins. Outcomes carry them back so calibration can tell queue from
+    compute (`scoring/outcome.py`).
+    """
+
+    wait_s: float = 0.0
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +166,7 @@ class RoutePlan:
 
     Aggregated plans use `aggregated`; P/D plans use `prefill` and `decode` (and `aggregated` holds the
     backends to fall back to when a leg fails). `reason` is a short, bounded label for metrics.
+    `predicted` is set by policies that price plans (`cost`); None otherwise.
     """
 
     mode: Mode
@@ -123,23 +174,46 @@ class RoutePlan:
     prefill: tuple[int, ...] = ()
     decode: tuple[int, ...] = ()
     reason: str = ""
+    predicted: Prediction | None = None
 
 
 class Router(Protocol):
     """A routing policy: pure and synchronous; the same object runs live and in simulation."""
 
     name: str
+    # Reads `Candidates.cached_tokens`: the gateway and the simulator look prefixes up only when True.
+    uses_prefix_index: bool
+    # Learns from `observe`; for the others it does nothing and callers may skip building outcomes.
+    learns: bool
 
     def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan: ...
 
     def observe(self, outcome: Outcome) -> None:
-        """Feedback after a request finishes (online cost correction); may do nothing."""
+        """Feedback after a request leg finishes (online cost correction); may do nothing."""
         ...
+
+    def correction(self, backend_id: str) -> float:
+        """What it learnt of one backend: measured over predicted compute time (1.0: nothing)."""
+        ...
+
+
+class Leg(enum.StrEnum):
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"  # the prefill leg of a split: measured up to its result
+    DECODE = "decode"  # the decode leg of a split: KV transfer, then decoding
 
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What one finished request measured, fed back to routers that learn."""
+    """What one finished request leg measured, fed back to routers that learn (`scoring/outcome.py`
+    builds them, for the gateway and the simulator alike).
+
+    Times are seconds. `ttft_s` is measured from the leg's own start for a prefill leg (its result) and
+    for an aggregated leg (first token); for a decode leg, `ttft_s` is from its start to its first token
+    (KV transfer plus first step). `predicted` is what the plan expected (None: a policy that does not
+    price plans); `peer_id` is the other backend of a split (the prefiller for a decode leg), naming the
+    transfer pair.
+    """
 
     backend_id: str
     mode: Mode
@@ -148,6 +222,10 @@ class Outcome:
     output_tokens: int
     ttft_s: float
     e2e_s: float
+    leg: Leg = Leg.AGGREGATED
+    peer_id: str = ""
+    predicted: Prediction | None = None
+    tpot_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,10 +37,20 @@ from bench.workloads import Prompt, WorkloadRequest, block_token_ids
 from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from scoring.catalog import Accelerator, ModelSpec
 from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time
-from scoring.types import BackendSpec, BackendStats, Candidates, Mode, Outcome, RequestFeatures, Router
+from scoring.load import Reserved, leg_loads, load_columns
+from scoring.outcome import Measured, outcomes_of
+from scoring.types import (
+    BackendSpec,
+    BackendStats,
+    Candidates,
+    LegLoad,
+    Mode,
+    Prediction,
+    RequestFeatures,
+    Router,
+)
 
 _ARRIVE, _STEP_END, _WAKE = 0, 1, 2
-_PREFIX_BLIND = frozenset({"round_robin", "least_load"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +70,9 @@ class RequestRecord:
     mode: str = ""
     backend: str = ""  # the aggregated backend, or the decode backend of a P/D pair
     prefill_backend: str = ""
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # on the backend that prefilled (a decoder's pulled KV is not a hit)
     output_tokens: int = 0
+    prefill_done_s: float = float("nan")  # P/D: when the prefill leg's token came out
     first_token_s: float = float("nan")
     finish_s: float = float("nan")
     error: str = ""
@@ -154,8 +165,8 @@ class Simulation:
     ) -> None:
         self.model = model
         # Asking every engine's cache for every request is the costliest part of a decision; policies
-        # that ignore `cached_tokens` skip it (None: decide from the router's name).
-        self.prefix_lookup = router.name not in _PREFIX_BLIND if prefix_lookup is None else prefix_lookup
+        # that ignore `cached_tokens` skip it (None: as the router declares).
+        self.prefix_lookup = router.uses_prefix_index if prefix_lookup is None else prefix_lookup
         self.backends = tuple(backends)
         self.router = router
         self.efficiency = efficiency
@@ -201,11 +212,17 @@ class Replay:
         self.busy = [False] * n
         self.pending: list[StepOutput | None] = [None] * n
         self.wake_at = [float("inf")] * n
+        # The gateway's accounting, kept as the registry keeps it: legs in flight and the work each
+        # reserved when planned (`scoring/load.py`), released as legs finish.
         self.in_flight = [0] * n
-        # The fixed columns of Candidates once, the live ones (load, kv_usage) per engine as it changes.
+        self.reserved = [Reserved() for _ in range(n)]
+        self.leg_load: dict[tuple[int, str], LegLoad] = {}  # (engine, request id) -> its reservation
+        self.predicted: dict[str, Prediction | None] = {}
+        # The fixed columns of Candidates once; the live ones per engine as it changes, then the load
+        # formula over all of them (`scoring.load.load_columns`, as the registry does).
         self.base = Candidates.build(sim.specs, tuple(BackendStats() for _ in range(n)))
-        self.load = self.base.load.copy()
-        self.kv_usage = self.base.kv_usage.copy()
+        # in_flight, running, waiting, prefill tokens and seqs, decode seqs, context, kv_usage
+        self.stats = np.zeros((8, n))
         self.dirty = set(range(n))
         self.records = [
             RequestRecord(w.request_id, w.arrival_s, w.prompt_len, w.max_tokens) for w in workload
@@ -291,27 +308,53 @@ class Replay:
         plan = self.sim.router.plan(features, candidates)
         record = self.records[i]
         record.mode = plan.mode
+        if self.sim.router.learns:
+            self.predicted[w.request_id] = plan.predicted
         if plan.mode == Mode.PD and plan.prefill and plan.decode:
-            record.prefill_backend = self.sim.specs[plan.prefill[0]].id
-            record.backend = self.sim.specs[plan.decode[0]].id
-            self._submit(
-                plan.prefill[0],
-                i,
-                EngineRequest(
-                    w.request_id, w.prompt_len, 1, hashes[self._bs(plan.prefill[0])], prefill_only=True
-                ),
-                t,
+            prefiller, decoder = plan.prefill[0], plan.decode[0]
+            record.prefill_backend = self.sim.specs[prefiller].id
+            record.backend = self.sim.specs[decoder].id
+            cached = int(candidates.cached_tokens[prefiller])
+            first, second = leg_loads(Mode.PD, w.prompt_len, w.max_tokens, cached)
+            assert second is not None
+            self._reserve(decoder, w.request_id, second)  # taken at plan time, like the gateway
+            self._reserve(prefiller, w.request_id, first)
+            request = EngineRequest(
+                w.request_id, w.prompt_len, 1, hashes[self._bs(prefiller)], prefill_only=True
             )
-            self.pd_pending[w.request_id] = (plan.prefill[0], plan.decode[0])
+            self._submit(prefiller, i, request, t)
+            self.pd_pending[w.request_id] = (prefiller, decoder)
             return
         if not plan.aggregated:
             self._fail(i, t, plan.reason or "no_backend")
             return
         target = plan.aggregated[0]
         record.backend = self.sim.specs[target].id
+        cached = int(candidates.cached_tokens[target])
+        self._reserve(target, w.request_id, leg_loads(Mode.AGGREGATED, w.prompt_len, w.max_tokens, cached)[0])
         self._submit(
             target, i, EngineRequest(w.request_id, w.prompt_len, w.max_tokens, hashes[self._bs(target)]), t
         )
+
+    def _reserve(self, engine: int, request_id: str, leg: LegLoad) -> None:
+        self.in_flight[engine] += 1
+        self.reserved[engine].add(leg)
+        self.leg_load[(engine, request_id)] = leg
+        self.dirty.add(engine)
+
+    def _prefill_done(self, engine: int, request_id: str) -> None:
+        leg = self.leg_load.get((engine, request_id))
+        if leg is not None and leg.prefill_tokens:
+            self.reserved[engine].prefill_done(leg)
+            self.leg_load[(engine, request_id)] = LegLoad(0, leg.decode_tokens, leg.context_tokens)
+            self.dirty.add(engine)
+
+    def _release(self, engine: int, request_id: str) -> None:
+        leg = self.leg_load.pop((engine, request_id), None)
+        if leg is not None:
+            self.in_flight[engine] -= 1
+            self.reserved[engine].release(leg, prefill_pending=True)
+            self.dirty.add(engine)
 
     def _hashes(self, i: int, w: WorkloadRequest) -> dict[int, list[int]]:
         return {bs: self.sim.hasher(w.prompt, bs) for bs in self.sim.block_sizes}
@@ -320,16 +363,11 @@ class Replay:
         return self.sim.specs[engine].block_size
 
     def _candidates(self, hashes: dict[int, list[int]]) -> Candidates:
-        """The registry snapshot the gateway would route on: `Candidates.build` over each engine's live
-        `BackendStats`, with the per-engine work kept to engines that changed since the last decision."""
-        engines = self.sim.engines
+        """The registry snapshot the gateway would route on: the same load formula over each engine's
+        accounting and its /metrics view, with the per-engine reads kept to engines that changed."""
+        engines, stats = self.sim.engines, self.stats
         for k in self.dirty:
-            e = engines[k]
-            waiting = len(e.waiting) + len(e.transferring)
-            # Candidates.build's columns for BackendStats(in_flight, running, waiting, kv_usage), inlined
-            # (tested equal): the full build costs more than the rest of a decision.
-            self.load[k] = max(self.in_flight[k], len(e.running)) + waiting
-            self.kv_usage[k] = 1.0 - e.pool.num_free / e.config.num_gpu_blocks
+            stats[:, k] = self._stats_row(k)
         self.dirty.clear()
         cached = np.zeros(len(engines), dtype=np.int64)
         if self.sim.prefix_lookup:
@@ -344,11 +382,19 @@ class Replay:
             healthy=base.healthy.copy(),
             can_prefill=base.can_prefill.copy(),
             can_decode=base.can_decode.copy(),
-            load=self.load.copy(),
             capacity=base.capacity.copy(),
-            kv_usage=self.kv_usage.copy(),
+            kv_usage=stats[7].copy(),
             cached_tokens=cached,
+            **load_columns(*stats[:7]),
         )
+
+    def _stats_row(self, k: int) -> tuple[float, ...]:
+        e, r = self.sim.engines[k], self.reserved[k]
+        kv_usage = 1.0 - e.pool.num_free / e.config.num_gpu_blocks
+        return (
+            self.in_flight[k], len(e.running), len(e.waiting), r.prefill_tokens, r.prefill_seqs,
+            r.decode_seqs, r.context_tokens, kv_usage,
+        )  # fmt: skip
 
     def live_stats(self) -> tuple[BackendStats, ...]:
         """Each engine's state as the registry would report it (what `_candidates` summarises)."""
@@ -356,8 +402,12 @@ class Replay:
             BackendStats(
                 in_flight=self.in_flight[k],
                 running=len(e.running),
-                waiting=len(e.waiting) + len(e.transferring),
+                waiting=len(e.waiting),
                 kv_usage=1.0 - e.pool.num_free / e.config.num_gpu_blocks,
+                prefill_tokens=self.reserved[k].prefill_tokens,
+                prefill_seqs=self.reserved[k].prefill_seqs,
+                decode_seqs=self.reserved[k].decode_seqs,
+                context_tokens=self.reserved[k].context_tokens,
             )
             for k, e in enumerate(self.sim.engines)
         )
@@ -366,9 +416,9 @@ class Replay:
         try:
             self.sim.engines[engine].add_request(request)
         except ValueError as exc:
+            self._release(engine, request.request_id)
             self._fail(i, t, str(exc))
             return
-        self.in_flight[engine] += 1
         self.legs[(engine, request.request_id)] = i
         self._kick(engine, t)
 
@@ -384,17 +434,19 @@ class Replay:
             return
         core = self.sim.engines[engine]
         out = core.step(t)
+        if not out.idle:
+            # Busy before releasing pulled KV: that kicks the prefillers, and when roles follow the
+            # traffic a prefiller may be decoding KV from this engine and kick it back.
+            self.steps += 1
+            self.busy[engine] = True
+            self.pending[engine] = out
+            self._push(out.end_s, _STEP_END, engine)
         self._release_pulled(out)
-        if out.idle:
+        if out.idle and not self.busy[engine]:
             wakeup = core.next_wakeup()
             if wakeup is not None and wakeup < self.wake_at[engine]:
                 self.wake_at[engine] = max(wakeup, t)
                 self._push(max(wakeup, t), _WAKE, engine)
-            return
-        self.steps += 1
-        self.busy[engine] = True
-        self.pending[engine] = out
-        self._push(out.end_s, _STEP_END, engine)
 
     def _release_pulled(self, out: StepOutput) -> None:
         for request_id in out.kv_pulled:
@@ -416,6 +468,9 @@ class Replay:
                 continue
             pair = pd_pending.get(rid)
             if pair is not None and pair[0] == engine:
+                record = self.records[i]
+                record.prefill_done_s = t
+                record.cached_tokens = event.num_cached_tokens
                 self._start_decode_leg(engine, pair[1], i, t)  # a prefill leg's token is not shown
                 visible -= 1
                 continue
@@ -429,14 +484,16 @@ class Replay:
         record = self.records[i]
         if event.first_token:
             record.first_token_s = t
-            record.cached_tokens = event.num_cached_tokens
+            if record.mode != Mode.PD:  # a decoder's pulled KV is not a cache hit
+                record.cached_tokens = event.num_cached_tokens
+            self._prefill_done(engine, rid)
         record.output_tokens = event.num_output_tokens
         if event.finish_reason is not None:
             self._finish(engine, i, rid, t)
 
     def _start_decode_leg(self, prefiller: int, decoder: int, i: int, t: float) -> None:
         w = self.workload[i]
-        self.in_flight[prefiller] -= 1
+        self._release(prefiller, w.request_id)
         del self.legs[(prefiller, w.request_id)]
         del self.pd_pending[w.request_id]
         bs = self._bs(decoder)
@@ -455,24 +512,22 @@ class Replay:
         request = EngineRequest(
             w.request_id, w.prompt_len, w.max_tokens, hashes, remote_kv_tokens=remote, kv_transfer_s=transfer
         )
-        self._submit(decoder, i, request, t)
+        self._submit(decoder, i, request, t)  # reserved on the decoder when planned
 
     def _finish(self, engine: int, i: int, rid: str, t: float) -> None:
         record = self.records[i]
         record.finish_s = t
-        self.in_flight[engine] -= 1
+        self._release(engine, rid)
         del self.legs[(engine, rid)]
-        self.sim.router.observe(
-            Outcome(
-                backend_id=self.sim.specs[engine].id,
-                mode=Mode(record.mode),
-                prompt_tokens=record.prompt_len,
-                cached_tokens=record.cached_tokens,
-                output_tokens=record.output_tokens,
-                ttft_s=record.ttft_s,
-                e2e_s=t - record.arrival_s,
-            )
-        )
+        router = self.sim.router
+        if router.learns:
+            measured = Measured(
+                Mode(record.mode), record.backend, record.prompt_len, record.cached_tokens,
+                record.output_tokens, record.arrival_s, record.first_token_s, t, record.prefill_backend,
+                record.prefill_done_s,
+            )  # fmt: skip
+            for outcome in outcomes_of(measured, self.predicted.pop(rid, None)):
+                router.observe(outcome)
         if self.concurrency is not None:
             self._issue_next(t)
 

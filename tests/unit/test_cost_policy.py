@@ -1,4 +1,5 @@
-"""The cost policy: predicted TTFT from the roofline, prefix hits, load, and online correction."""
+"""The cost policy: plans priced in seconds of work (roofline, prefix hits, work queued), the SLO, and
+calibration that converges."""
 
 from __future__ import annotations
 
@@ -7,10 +8,23 @@ import pytest
 
 from scoring.catalog import load_catalog
 from scoring.cost_policy import CostRanker
+from scoring.outcome import Measured, outcomes_of
 from scoring.router import build_router
-from scoring.types import BackendSpec, BackendStats, Candidates, Mode, Outcome, RequestFeatures, Role
+from scoring.types import (
+    BackendSpec,
+    BackendStats,
+    Candidates,
+    Leg,
+    Mode,
+    Outcome,
+    Prediction,
+    RequestFeatures,
+    Role,
+)
 
 BOTH = frozenset({Role.PREFILL, Role.DECODE})
+P = frozenset({Role.PREFILL})
+D = frozenset({Role.DECODE})
 
 
 @pytest.fixture(scope="module")
@@ -18,86 +32,181 @@ def deepseek():
     return load_catalog().model("deepseek-r1")
 
 
-def cluster(loads=(0, 0), cached=(0, 0)) -> Candidates:
-    specs = (
-        BackendSpec("mi300x-0", "m", "mi300x", 8, BOTH),
-        BackendSpec("mi308x-0", "m", "mi308x", 8, BOTH),
+def queued(prompts: int, tokens: int = 8000) -> BackendStats:
+    """A backend with `prompts` requests of `tokens` reserved and not yet prefilled."""
+    return BackendStats(
+        in_flight=prompts,
+        prefill_tokens=prompts * tokens,
+        prefill_seqs=prompts,
+        decode_seqs=prompts,
+        context_tokens=prompts * tokens,
     )
-    stats = tuple(BackendStats(in_flight=ld) for ld in loads)
-    return Candidates.build(specs, stats, np.array(cached, dtype=np.int64))
 
 
-def long_prompt() -> RequestFeatures:
-    return RequestFeatures("m", prompt_tokens=8000, max_tokens=64)
+IDLE = (BackendStats(), BackendStats())
+
+
+def cluster(stats=IDLE, cached=(0, 0), roles=(BOTH, BOTH)) -> Candidates:
+    specs = (
+        BackendSpec("mi300x-0", "m", "mi300x", 8, roles[0]),
+        BackendSpec("mi308x-0", "m", "mi308x", 8, roles[1]),
+    )
+    return Candidates.build(specs, tuple(stats), np.array(cached, dtype=np.int64))
+
+
+def long_prompt(**slo: float) -> RequestFeatures:
+    return RequestFeatures("m", prompt_tokens=8000, max_tokens=64, **slo)
 
 
 def test_compute_rich_backend_prefills_long_prompts_faster(deepseek):
     ranker = CostRanker(deepseek)
     predicted = ranker.predicted_ttft(long_prompt(), cluster())
     assert predicted[1] / predicted[0] > 3  # MI308X has ~18 % of MI300X's FP8 compute
-    assert ranker.rank(long_prompt(), cluster(), np.array([True, True]))[0] == 0
+    assert build_router("cost", model=deepseek).plan(long_prompt(), cluster()).aggregated[0] == 0
 
 
 def test_a_cached_prefix_can_outweigh_compute(deepseek):
+    plan = build_router("cost", model=deepseek).plan(long_prompt(), cluster(cached=(0, 7900)))
+    assert plan.aggregated[0] == 1
+
+
+def test_queued_work_moves_traffic_off_a_busy_fast_backend(deepseek):
+    router = build_router("cost", model=deepseek)
+    assert router.plan(long_prompt(), cluster((queued(20), BackendStats()))).aggregated[0] == 1
+
+
+def test_load_is_work_not_a_count(deepseek):
+    """The same number of requests ahead, short or long prompts: only the long ones are a queue."""
     ranker = CostRanker(deepseek)
-    order = ranker.rank(long_prompt(), cluster(cached=(0, 7900)), np.array([True, True]))
-    assert order[0] == 1
+    idle = ranker.predicted_ttft(long_prompt(), cluster())[0]
+    short = ranker.predicted_ttft(long_prompt(), cluster((queued(6, 100), BackendStats())))[0] - idle
+    long = ranker.predicted_ttft(long_prompt(), cluster((queued(6, 8000), BackendStats())))[0] - idle
+    assert short > 0 and long > 10 * short  # per-step costs (weights, overhead) are not per token
 
 
-def test_load_moves_traffic_off_a_busy_fast_backend(deepseek):
+def test_plan_carries_its_prediction(deepseek):
+    plan = build_router("cost", model=deepseek).plan(long_prompt(), cluster((queued(2), BackendStats())))
+    pred = plan.predicted
+    assert pred is not None and pred.wait_s > 0 and pred.compute_s > 0 and pred.tpot_s > 0
+    assert pred.ttft_s == pytest.approx(pred.wait_s + pred.compute_s)
+
+
+def test_tpot_slo_excludes_a_crowded_decoder(deepseek):
+    """The MI300X holds the prompt (cheapest prefill) but decodes a huge batch: over a tight TPOT SLO."""
+    crowded = BackendStats(in_flight=120, running=120, decode_seqs=120, context_tokens=120 * 9000)
+    router = build_router("cost", model=deepseek)
+    busy = cluster((crowded, BackendStats()), cached=(7900, 0))
+    lax = router.plan(long_prompt(slo_ttft_s=100.0, slo_tpot_s=10.0), busy)
+    assert lax.aggregated[0] == 0
+    tight = router.plan(long_prompt(slo_ttft_s=100.0, slo_tpot_s=0.03), busy)
+    assert tight.predicted is not None and lax.predicted is not None
+    assert lax.predicted.tpot_s > 0.03
+    assert tight.aggregated[0] == 1
+
+
+def converge(ranker: CostRanker, truth: float, queue: float, compute: float, rounds: int) -> float:
+    """Feed outcomes of a backend whose compute is `truth` times the roofline, with `queue` seconds of
+    roofline work ahead; each prediction carries the correction learnt so far (as plans do)."""
+    for _ in range(rounds):
+        k = ranker.correction("mi300x-0")
+        pred = Prediction(wait_s=k * queue, compute_s=k * compute, ttft_s=k * (queue + compute))
+        measured = truth * (queue + compute)
+        ranker.observe(Outcome("mi300x-0", Mode.AGGREGATED, 8000, 0, 64, measured, measured, predicted=pred))
+    return ranker.correction("mi300x-0")
+
+
+@pytest.mark.parametrize(("truth", "queue"), [(3.0, 0.0), (3.0, 10.0), (0.5, 10.0), (1.0, 50.0)])
+def test_calibration_converges_and_a_queue_is_not_slowness(deepseek, truth, queue):
     ranker = CostRanker(deepseek)
-    assert ranker.rank(long_prompt(), cluster(loads=(20, 0)), np.array([True, True]))[0] == 1
+    assert converge(ranker, truth, queue, 1.0, 200) == pytest.approx(truth, rel=0.02)
 
 
-def test_measured_ttft_corrects_the_model(deepseek):
+def test_measured_slowness_moves_traffic(deepseek):
     router = build_router("cost", "never", model=deepseek)
-    candidates = cluster()
-    predicted = router.ranker.predicted_ttft(long_prompt(), candidates)
-    assert router.plan(long_prompt(), candidates).aggregated[0] == 0
-    for _ in range(60):  # the MI300X turns out 10x slower than its roofline says
-        router.observe(Outcome("mi300x-0", Mode.AGGREGATED, 8000, 0, 64, float(predicted[0]) * 10, 1.0))
-    assert router.ranker.correction("mi300x-0") == pytest.approx(10, rel=0.05)
-    assert router.plan(long_prompt(), candidates).aggregated[0] == 1
+    assert router.plan(long_prompt(), cluster()).aggregated[0] == 0
+    converge(router.ranker, 10.0, 0.0, 1.0, 200)  # the MI300X turns out 10x slower than its roofline
+    assert router.plan(long_prompt(), cluster()).aggregated[0] == 1
 
 
-def test_unknown_backend_outcomes_are_ignored(deepseek):
+def test_outcomes_without_prediction_are_ignored(deepseek):
     ranker = CostRanker(deepseek)
     ranker.observe(Outcome("ghost", Mode.AGGREGATED, 10, 0, 1, 1.0, 1.0))
     assert ranker.correction("ghost") == 1.0
 
 
-def split_cluster(loads=(0, 0), cached=(0, 0)) -> Candidates:
-    specs = (
-        BackendSpec("mi300x-0", "m", "mi300x", 8, frozenset({Role.PREFILL})),
-        BackendSpec("mi308x-0", "m", "mi308x", 8, frozenset({Role.DECODE})),
+def test_each_split_leg_is_credited_to_its_backend(deepseek):
+    pred = Prediction(wait_s=0.0, compute_s=1.0, transfer_s=0.1, ttft_s=1.2, tpot_s=0.1)
+    measured = Measured(Mode.PD, "dec", 8000, 512, 11, 0.0, first_token_s=2.5, finish_s=3.5,
+                        prefill_backend_id="pre", prefill_done_s=2.0)  # fmt: skip
+    prefill, decode = outcomes_of(measured, pred)
+    assert (prefill.backend_id, prefill.leg, prefill.cached_tokens, prefill.ttft_s) == (
+        "pre",
+        Leg.PREFILL,
+        512,
+        2.0,
     )
-    stats = tuple(BackendStats(in_flight=ld) for ld in loads)
-    return Candidates.build(specs, stats, np.array(cached, dtype=np.int64))
+    assert (decode.backend_id, decode.leg, decode.cached_tokens, decode.peer_id) == (
+        "dec",
+        Leg.DECODE,
+        0,
+        "pre",
+    )
+    assert decode.ttft_s == pytest.approx(0.5) and decode.tpot_s == pytest.approx(0.1)
+    ranker = CostRanker(deepseek)
+    ranker.observe(prefill)
+    ranker.observe(decode)
+    assert ranker.correction("pre") > 1.0  # 2 s measured for 1 s predicted
+    assert ranker.correction("dec") == 1.0  # the decoder did no prefill
 
 
 @pytest.mark.parametrize(
-    ("loads", "cached", "mode", "reason"),
+    ("stats", "cached", "mode", "reason"),
     [
-        ((0, 0), (0, 0), Mode.PD, "split"),  # MI300X prefills 8k tokens far faster than the MI308X
-        ((0, 0), (0, 7900), Mode.AGGREGATED, "split_costlier"),  # the decode backend holds the prompt
-        ((60, 0), (0, 0), Mode.AGGREGATED, "split_costlier"),  # the prefill backend is buried
+        ((BackendStats(), BackendStats()), (0, 0), Mode.PD, "split"),  # MI300X prefills far faster
+        ((BackendStats(), BackendStats()), (0, 7900), Mode.AGGREGATED, "split_costlier"),  # decoder has it
+        ((queued(60), BackendStats()), (0, 0), Mode.AGGREGATED, "split_costlier"),  # prefiller buried
     ],
 )
-def test_auto_splits_when_the_cost_model_says_it_pays(deepseek, loads, cached, mode, reason):
+def test_auto_splits_when_it_pays(deepseek, stats, cached, mode, reason):
     router = build_router("cost", "auto", pd_min_prompt_tokens=0, model=deepseek)
-    plan = router.plan(long_prompt(), split_cluster(loads, cached))
+    plan = router.plan(long_prompt(), cluster(stats, cached, roles=(P, BOTH)))
     assert (plan.mode, plan.reason) == (mode, reason)
 
 
-def test_auto_decodes_on_the_bandwidth_side_and_prefills_on_the_compute_side(deepseek):
-    specs = (
-        BackendSpec("mi300x-0", "m", "mi300x", 8, BOTH),
-        BackendSpec("mi308x-0", "m", "mi308x", 8, frozenset({Role.DECODE})),
-    )
-    candidates = Candidates.build(specs, (BackendStats(in_flight=3), BackendStats()), np.zeros(2, np.int64))
+def test_single_roles_are_respected(deepseek):
     router = build_router("cost", "auto", pd_min_prompt_tokens=0, model=deepseek)
-    plan = router.plan(long_prompt(), candidates)
-    # Aggregated, the MI300X would still be the fastest first token even with 3 requests ahead of it ...
-    assert plan.aggregated[0] == 0
-    # ... but the split (prefill there, decode on the idle MI308X) reaches the first token sooner still.
-    assert (plan.mode, plan.prefill, plan.decode[0]) == (Mode.PD, (0,), 1)
+    plan = router.plan(long_prompt(), cluster((queued(60), BackendStats()), roles=(P, D)))
+    assert (plan.mode, plan.prefill[0], plan.decode[0]) == (Mode.PD, 0, 1)  # never aggregated on a decoder
+
+
+def test_roles_follow_the_traffic(deepseek):
+    """Two backends that may do both: the compute-rich one prefills, the other decodes; once the
+    compute-rich one is buried in prefill work, the other takes the whole request."""
+    router = build_router("cost", "auto", pd_min_prompt_tokens=0, model=deepseek)
+    plan = router.plan(long_prompt(), cluster())
+    assert (plan.mode, plan.prefill[0], plan.decode[0]) == (Mode.PD, 0, 1)
+    plan = router.plan(long_prompt(), cluster((queued(60), BackendStats())))
+    assert (plan.mode, plan.aggregated[0]) == (Mode.AGGREGATED, 1)
+
+
+def test_declares_what_it_uses(deepseek):
+    ranker = CostRanker(deepseek)
+    assert (ranker.uses_prefix_index, ranker.ranks_decode, ranker.judges_split, ranker.learns) == (
+        True, True, True, True,
+    )  # fmt: skip
+
+
+def test_transfer_is_learnt_per_pair(deepseek):
+    router = build_router("cost", "always", model=deepseek)
+    before = router.plan(long_prompt(), cluster(roles=(P, D))).predicted
+    assert before is not None and before.transfer_s > 0
+    for _ in range(100):  # the pair's link turns out 3x slower: the decode leg's first token is late
+        pred = router.plan(long_prompt(), cluster(roles=(P, D))).predicted
+        assert pred is not None
+        first_step = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
+        measured = first_step + 3 * before.transfer_s
+        router.observe(Outcome("mi308x-0", Mode.PD, 8000, 0, 64, measured, 1.0, Leg.DECODE, "mi300x-0", pred))
+    after = router.plan(long_prompt(), cluster(roles=(P, D))).predicted
+    assert after is not None
+    assert after.transfer_s == pytest.approx(3 * before.transfer_s, rel=0.05)
+    assert router.ranker.correction("mi308x-0") == 1.0  # the decoder's compute is not blamed

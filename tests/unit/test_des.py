@@ -29,6 +29,8 @@ class Spy:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.name = inner.name
+        self.uses_prefix_index = inner.uses_prefix_index
+        self.learns = True  # it wants every outcome, whatever the inner router does with them
         self.seen: list[tuple[RequestFeatures, Candidates]] = []
         self.outcomes: list[Outcome] = []
 
@@ -92,7 +94,21 @@ def test_pd_prefills_on_one_backend_decodes_on_another_and_frees_the_kv() -> Non
     assert stats["b0"]["kv_held_for_transfer_blocks"] == 0  # every prefill's KV was pulled and freed
     assert stats["b0"]["generation_tokens"] == 20  # one token per prefill leg, not shown to the client
     assert stats["b1"]["prompt_tokens"] + stats["b2"]["prompt_tokens"] == 20 * 3000
-    assert all(r.cached_tokens == (3000 - 1) // 16 * 16 for r in result.records)
+    # The decoder's pulled KV is not a cache hit: unique prompts, nothing cached where they prefilled.
+    assert all(r.cached_tokens == 0 for r in result.records)
+
+
+def test_pd_outcomes_are_credited_to_the_leg_that_did_the_work() -> None:
+    """One outcome rule (scoring/outcome.py), as the gateway: the prefill leg on the prefiller with its
+    own cached tokens, the decode leg on the decoder with none, naming its prefiller."""
+    prefill, decode = frozenset({Role.PREFILL}), frozenset({Role.DECODE})
+    spy = Spy(build_router("least_load", "always"))
+    Simulation(MODEL, backends(prefill, decode), spy).run(
+        w.with_poisson_arrivals(w.fixed_lengths(5, 3000, 8), 2.0)
+    )
+    legs = sorted((o.leg.value, o.backend_id, o.peer_id, o.cached_tokens) for o in spy.outcomes)
+    assert legs == [("decode", "b1", "b0", 0)] * 5 + [("prefill", "b0", "b1", 0)] * 5
+    assert all(o.ttft_s > 0 for o in spy.outcomes)
 
 
 def test_pd_ttft_includes_the_kv_transfer() -> None:
@@ -135,7 +151,7 @@ def test_seed_case_report_shape_and_bound(tmp_path: Any) -> None:
     simulated = report["simulated"]
     assert set(report["published"]) == {"mi300x_alone", "mi308x_alone", "load_balanced", "disaggregated"}
     assert {"mi300x_alone", "mi308x_alone", "load_balanced", "disaggregated", "upper_bound"} <= set(simulated)
-    cluster = ("load_balanced", "disaggregated", "load_balanced_least_load")
+    cluster = ("load_balanced", "disaggregated", "load_balanced_least_load", "cost_auto")
     assert all(0 < simulated[k] <= simulated["upper_bound"] for k in cluster)
     assert simulated["mi300x_alone"] > simulated["mi308x_alone"]
     path = tmp_path / "seed.png"
@@ -149,7 +165,9 @@ def test_candidates_match_a_registry_build_of_the_live_stats() -> None:
     class Checker(Spy):
         def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
             built = Candidates.build(candidates.specs, replay.live_stats(), candidates.cached_tokens)
-            for column in ("healthy", "can_prefill", "can_decode", "load", "capacity", "kv_usage"):
+            columns = ("healthy", "can_prefill", "can_decode", "load", "capacity", "kv_usage")
+            work = ("prefill_tokens", "prefill_len", "decode_seqs", "context_tokens")
+            for column in columns + work:
                 np.testing.assert_array_equal(getattr(candidates, column), getattr(built, column))
             checked.append(built.load.sum())
             return super().plan(request, candidates)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scoring.router import LeastLoad, RoundRobin, build_router
+from scoring.router import LeastLoad, Rotation, RoundRobin, build_router
 from scoring.types import BackendSpec, BackendStats, Candidates, Mode, RequestFeatures, Role
 
 BOTH = frozenset({Role.PREFILL, Role.DECODE})
@@ -109,3 +109,32 @@ def test_always_round_robin_spreads_decodes_over_every_decode_backend():
     cands = candidates([P, D, D])
     decodes = {router.plan(request(), cands).decode[0] for _ in range(4)}
     assert decodes == {1, 2}
+
+
+def test_rotation_turns_through_equal_choices():
+    rotate = Rotation()
+    indices = np.array([3, 5, 9])
+    assert [rotate(indices).tolist() for _ in range(4)] == [[3, 5, 9], [5, 9, 3], [9, 3, 5], [3, 5, 9]]
+    assert rotate(np.array([7])).tolist() == [7]
+
+
+def test_load_counts_a_queued_request_once():
+    """The gateway's own count and vLLM's running + waiting see the same requests: the larger wins."""
+    specs = tuple(BackendSpec(f"b{i}", "m", "h100", 8, BOTH) for i in range(2))
+    stats = (BackendStats(in_flight=3, running=2, waiting=1), BackendStats(in_flight=0, running=1, waiting=4))
+    assert Candidates.build(specs, stats).load.tolist() == [3.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    ("policy", "prefix", "decode", "split", "learns"),
+    [
+        ("round_robin", False, False, False, False),
+        ("least_load", False, False, False, False),
+        ("prefix", True, True, False, False),
+    ],
+)
+def test_policies_declare_what_they_use(policy, prefix, decode, split, learns):
+    ranker = build_router(policy).ranker
+    assert (ranker.uses_prefix_index, ranker.ranks_decode, ranker.judges_split, ranker.learns) == (
+        prefix, decode, split, learns,
+    )  # fmt: skip

@@ -1,0 +1,122 @@
+"""What one routing decision costs on the request path: index lookup, Candidates, plan.
+
+For a prompt of `--tokens` tokens (block size 16) over `--backends` backends of a mixed cluster (MI300X
+and MI308X, DeepSeek-R1, every backend may prefill and decode), with backend i holding the first
+(i mod 8 + 1)/8 of the prompt in a `kvindex.MemoryIndex` and some reserved work on each:
+- `lookup`: the awaited `index.match` over all backends (as `gateway/affinity.py` calls it);
+- `candidates`: `ModelPool.candidates` (the registry's columns through the load formula);
+- `plan`: the policy's `plan` (`cost` prices every aggregated and split plan: 64 backends, 4,032 pairs);
+- `decision`: the three together, what the gateway adds per request after hashing the prompt (hashing
+  is measured by `hetgate bench index`).
+Each figure: p50 and p99 over `--calls` decisions, in microseconds. Ratio baseline in the same run:
+`round_robin`'s plan on the same candidates.
+
+    python -m bench.route_bench [--tokens 32768] [--backends 64] [--calls 2000] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gateway.config import GatewayConfig
+from gateway.registry import Registry
+from kvindex.memory import MemoryIndex
+from scoring.catalog import load_catalog
+from scoring.load import leg_loads
+from scoring.router import build_router
+from scoring.types import Mode, RequestFeatures
+
+MODEL = "deepseek-r1"
+BLOCK = 16
+
+
+def cluster_config(backends: int) -> GatewayConfig:
+    rows = [
+        {
+            "id": f"b{i}",
+            "url": f"http://127.0.0.1:{9000 + i}",
+            "model": MODEL,
+            "accelerator": "mi300x" if i % 3 == 0 else "mi308x",
+            "gpus": 8,
+            "roles": ["prefill", "decode"],
+        }
+        for i in range(backends)
+    ]
+    return GatewayConfig.model_validate({"models": [{"name": MODEL, "spec": MODEL}], "backends": rows})
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    us = np.asarray(samples) * 1e6
+    return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99))}
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    config = cluster_config(args.backends)
+    registry = Registry(config)
+    pool = registry.pools[MODEL]
+    ids = [b.id for b in pool.backends]
+    hashes = tuple(range(1, args.tokens // BLOCK + 1))
+    index = MemoryIndex()
+    for i, backend_id in enumerate(ids):
+        await index.record(MODEL, BLOCK, hashes[: len(hashes) * (i % 8 + 1) // 8], backend_id)
+    for i, backend in enumerate(pool.backends):  # some work reserved on every backend
+        for _ in range(i % 4):
+            registry.reserve(backend, leg_loads(Mode.AGGREGATED, 8000, 256, 0)[0])
+    request = RequestFeatures(MODEL, args.tokens, 256, False, {BLOCK: hashes})
+    routers = {
+        "cost": build_router("cost", "auto", model=load_catalog().model(MODEL)),
+        "prefix": build_router("prefix", "auto"),
+        "round_robin": build_router("round_robin", "auto"),
+    }
+    rows: dict[str, Any] = {}
+    for name, router in routers.items():
+        lookup, build, plan, total = [], [], [], []
+        for _ in range(args.calls):
+            t0 = time.perf_counter()
+            counts = await index.match(MODEL, BLOCK, hashes, ids)
+            cached = np.minimum(np.asarray(counts, dtype=np.int64) * BLOCK, args.tokens)
+            t1 = time.perf_counter()
+            candidates = registry.candidates(pool, cached)
+            t2 = time.perf_counter()
+            router.plan(request, candidates)
+            t3 = time.perf_counter()
+            lookup.append(t1 - t0)
+            build.append(t2 - t1)
+            plan.append(t3 - t2)
+            total.append(t3 - t0)
+        rows[name] = {
+            "lookup": percentiles(lookup),
+            "candidates": percentiles(build),
+            "plan": percentiles(plan),
+            "decision": percentiles(total),
+        }
+    return {"tokens": args.tokens, "backends": args.backends, "calls": args.calls, "policies": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.route_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--backends", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    result = asyncio.run(measure(args))
+    print(f"{args.tokens}-token prompt, {args.backends} backends, {args.calls} decisions (microseconds)")
+    print(f"{'policy':<12}{'part':<12}{'p50':>10}{'p99':>10}")
+    for policy, parts in result["policies"].items():
+        for part, figures in parts.items():
+            print(f"{policy:<12}{part:<12}{figures['p50_us']:>10.0f}{figures['p99_us']:>10.0f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""Load as work: what each backend has ahead of a new request, and what that costs in seconds.
+
+One formula in two halves, both vectorised over backends and used alike by the live registry
+(`gateway/registry.py`) and the simulator (`bench/sim/des.py`):
+
+1. `load_columns` reconciles two views of a backend into the columns of `Candidates`:
+   - the gateway's own accounting: legs in flight and the work each reserved when it was planned
+     (`Reserved`, fed with `LegLoad`s: uncached prompt tokens still to prefill, sequences that will
+     decode, the prompt tokens of context they hold). It is exact for the gateway's traffic and has no lag;
+   - vLLM's /metrics (`num_requests_running`, `num_requests_waiting`): it sees traffic from other clients
+     but lags by a poll. Each column takes the larger of the two views, so neither hides load.
+2. `WorkModel` prices those columns with `scoring/cost.py`:
+   - `queue_s`: the prefill work queued or in progress ahead of a new request (vLLM schedules FCFS), as
+     that many prompts of the backend's mean prompt length, plus the decode batch riding along in every
+     chunked-prefill step;
+   - `prefill_s`: a request's own (uncached) prefill on each backend, with the same riding decodes;
+   - `tpot_s`: one decode step at the batch and context the request joins. The context is the larger of
+     the reserved context and what `kv_cache_usage_perc` says is in use (KV blocks held by traffic the
+     gateway did not plan).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scoring.catalog import ModelSpec
+from scoring.cost import (
+    DEFAULT_EFFICIENCY,
+    Efficiency,
+    Hardware,
+    causal_pairs,
+    decode_step_time,
+    kv_capacity_tokens,
+    step_time,
+)
+from scoring.types import LegLoad, Mode
+
+# vLLM's default `max_num_batched_tokens` with chunked prefill (V1): the prefill tokens one step takes.
+DEFAULT_CHUNK_TOKENS = 8192
+
+
+class Reserved:
+    """The work a backend's legs in flight reserved when they were planned (`LegLoad` totals).
+
+    One leg adds its prefill tokens until its prefill is done (`prefill_done`), and, when it decodes here
+    (it holds context), one sequence and its context until it is released."""
+
+    __slots__ = ("context_tokens", "decode_seqs", "prefill_seqs", "prefill_tokens")
+
+    def __init__(self) -> None:
+        self.prefill_tokens = 0
+        self.prefill_seqs = 0  # legs whose prefill is not done (prices queued prompts at their length)
+        self.decode_seqs = 0
+        self.context_tokens = 0
+
+    def add(self, leg: LegLoad) -> None:
+        self.prefill_tokens += leg.prefill_tokens
+        self.prefill_seqs += leg.prefill_tokens > 0
+        if leg.context_tokens > 0:
+            self.decode_seqs += 1
+            self.context_tokens += leg.context_tokens
+
+    def prefill_done(self, leg: LegLoad) -> None:
+        self.prefill_tokens -= leg.prefill_tokens
+        self.prefill_seqs -= leg.prefill_tokens > 0
+
+    def release(self, leg: LegLoad, prefill_pending: bool) -> None:
+        """Take the leg off; `prefill_pending` when it ends before its prefill was done (a failure)."""
+        if prefill_pending:
+            self.prefill_done(leg)
+        if leg.context_tokens > 0:
+            self.decode_seqs -= 1
+            self.context_tokens -= leg.context_tokens
+
+
+def leg_loads(
+    mode: Mode, prompt_tokens: int, max_tokens: int, cached_prefill: int
+) -> tuple[LegLoad, LegLoad | None]:
+    """The `LegLoad` of each leg of a plan: (aggregated or prefill leg, decode leg or None).
+
+    `cached_prefill` is the prompt tokens the backend that prefills already holds. A prefill leg
+    generates one token and keeps no sequence; the decode leg of a split computes no prompt tokens (its KV
+    is transferred) but holds the whole prompt as context."""
+    uncached = max(prompt_tokens - cached_prefill, 0)
+    if mode is Mode.PD:
+        return LegLoad(uncached, 1, 0), LegLoad(0, max_tokens, prompt_tokens)
+    return LegLoad(uncached, max_tokens, prompt_tokens), None
+
+
+def load_columns(
+    in_flight: np.ndarray,
+    running: np.ndarray,
+    waiting: np.ndarray,
+    prefill_tokens: np.ndarray,
+    prefill_seqs: np.ndarray,
+    decode_seqs: np.ndarray,
+    context_tokens: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """The load columns of `Candidates` from the gateway's accounting and vLLM's counts (see above)."""
+    seqs = np.maximum(decode_seqs, running)
+    # Context per sequence from the gateway's own sequences; vLLM's extra ones are taken to be alike.
+    mean_context = np.divide(context_tokens, decode_seqs, out=np.zeros_like(seqs), where=decode_seqs > 0)
+    context = np.maximum(context_tokens, seqs * mean_context)
+    # Prompts queued ahead: the reserved tokens, or vLLM's waiting requests at the mean prompt length.
+    prompt_len = np.divide(prefill_tokens, prefill_seqs, out=mean_context.copy(), where=prefill_seqs > 0)
+    queued = np.maximum(prefill_tokens, waiting * prompt_len)
+    return {
+        # Requests in flight or queued, counted once (the count-based policies' load).
+        "load": np.maximum(in_flight, running + waiting),
+        "prefill_tokens": queued,
+        "prefill_len": np.maximum(np.minimum(prompt_len, queued), 1.0),
+        "decode_seqs": seqs,
+        "context_tokens": context,
+    }
+
+
+class WorkModel:
+    """Prices `Candidates`' load columns in seconds on each backend's hardware (rows as in `hw`)."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        hw: Hardware,
+        efficiency: Efficiency = DEFAULT_EFFICIENCY,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ) -> None:
+        self.model = model
+        self.hw = hw
+        self.efficiency = efficiency
+        self.chunk_tokens = chunk_tokens
+        self.kv_capacity = kv_capacity_tokens(model, hw, efficiency)
+
+    def context(self, context_tokens: np.ndarray, kv_usage: np.ndarray) -> np.ndarray:
+        """Decoding context: the reserved one, or what vLLM's KV usage says is held, whichever is more."""
+        return np.asarray(np.maximum(context_tokens, kv_usage * self.kv_capacity))
+
+    def tpot_s(self, seqs: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """One decode step of `seqs` sequences over `context` tokens (0 for no sequence)."""
+        return np.asarray(decode_step_time(self.model, self.hw, seqs, context, self.efficiency))
+
+    def riding_s(self, tokens: np.ndarray, decode_step: np.ndarray) -> np.ndarray:
+        """Decode work that shares the chunked-prefill steps of `tokens` prefill tokens, for the running
+        batch's `decode_step` (`tpot_s` of it)."""
+        return np.asarray(np.ceil(np.asarray(tokens, dtype=float) / self.chunk_tokens) * decode_step)
+
+    def queue_s(
+        self, prefill_tokens: np.ndarray, prefill_len: np.ndarray, decode_step: np.ndarray
+    ) -> np.ndarray:
+        """Seconds of prefill work ahead of a new request (0 on an idle backend): the queued tokens in
+        one roofline pass (chunks of several prompts batch together), attention per prompt."""
+        prompts = prefill_tokens / prefill_len
+        pairs = prompts * causal_pairs(prefill_len, 0)
+        own = step_time(self.model, self.hw, prefill_tokens, pairs, 0, 0, self.efficiency)
+        return np.asarray(own + self.riding_s(prefill_tokens, decode_step))
+
+    def prefill_s(
+        self, new_tokens: np.ndarray, cached_tokens: np.ndarray, decode_step: np.ndarray
+    ) -> np.ndarray:
+        """Seconds of a request's own prefill of `new_tokens` after `cached_tokens`."""
+        own = step_time(
+            self.model, self.hw, new_tokens, causal_pairs(new_tokens, cached_tokens), 0, 0, self.efficiency
+        )
+        return np.asarray(own + self.riding_s(new_tokens, decode_step))

@@ -1,0 +1,30 @@
+"""The per-request SLO headers: milliseconds in, seconds out, bad values refused with a 400."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import BadRequest
+from gateway.handler import _slo_override
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({}, (None, None)),
+        ({b"x-hetgate-slo-ttft-ms": b"2500"}, (2.5, None)),
+        ({b"x-hetgate-slo-tpot-ms": b"40"}, (None, 0.04)),
+        ({b"x-hetgate-slo-ttft-ms": b"100", b"x-hetgate-slo-tpot-ms": b"12.5"}, (0.1, 0.0125)),
+    ],
+)
+def test_slo_headers_are_read_in_seconds(headers, expected) -> None:
+    got = _slo_override(headers)
+    assert [g is None for g in got] == [e is None for e in expected]
+    assert [g for g in got if g is not None] == pytest.approx([e for e in expected if e is not None])
+
+
+@pytest.mark.parametrize("value", [b"0", b"-5", b"fast", b"nan", b"inf", b""])
+def test_bad_slo_headers_are_a_400(value) -> None:
+    with pytest.raises(BadRequest) as raised:
+        _slo_override({b"x-hetgate-slo-ttft-ms": value})
+    assert raised.value.status == 400 and raised.value.param == "x-hetgate-slo-ttft-ms"
