@@ -38,7 +38,7 @@ for arg in "$@"; do
   case "$arg" in
     --with-nixl) WITH_NIXL=1 ;;
     --force) FORCE=1 ;;
-    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
     *) echo "setup_vllm_env: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
