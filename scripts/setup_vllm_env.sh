@@ -6,7 +6,8 @@
 # the expected package versions returns in about a second. Fails (non-zero) on any problem.
 #
 # Usage: scripts/setup_vllm_env.sh [--with-nixl] [--force]
-#   --with-nixl   also install NIXL (68 MB; CPU<->CPU NixlConnector, opt-in test only)
+#   --with-nixl   also install NIXL (68 MB; CPU<->CPU NixlConnector P/D, tests/e2e/test_pd_nixl.py;
+#                 scripts/test.sh passes it). Adds only NIXL to an environment that is otherwise ready.
 #   --force       rebuild the environment from scratch
 # Environment:
 #   HETGATE_VLLM_VENV    where the venv lives (default ~/.cache/hetgate/vllm-venv)
@@ -37,7 +38,7 @@ for arg in "$@"; do
   case "$arg" in
     --with-nixl) WITH_NIXL=1 ;;
     --force) FORCE=1 ;;
-    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
     *) echo "setup_vllm_env: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -50,7 +51,8 @@ die() { log "ERROR: $*"; exit 1; }
 
 # Checks installed versions from package metadata only (no torch/vllm import: that takes ~20 s).
 versions_ok() {
-  "${VENV}/bin/python" - "$VLLM_VERSION" "$TORCH_VERSION" "$WITH_NIXL" <<'EOF'
+  local with_nixl="${1:-$WITH_NIXL}"
+  "${VENV}/bin/python" - "$VLLM_VERSION" "$TORCH_VERSION" "$with_nixl" <<'EOF'
 import importlib.metadata as md
 import sys
 
@@ -86,7 +88,19 @@ build_model() {
   HF_HUB_OFFLINE=1 "${VENV}/bin/python" "$builder" || die "could not build the tiny model"
 }
 
-if [[ $FORCE -eq 0 && -f "$STAMP" && "$(cat "$STAMP")" == "$WANTED" ]] && versions_ok; then
+# The `nixl` meta-package dispatches to nixl_cu12, which works without a GPU over UCX; --no-deps
+# because its only dependency is that wheel (and pip would otherwise resolve torch again).
+install_nixl() {
+  "${VENV}/bin/python" -m pip --disable-pip-version-check install --quiet --no-deps \
+    "nixl==${NIXL_VERSION}" "nixl-cu12==${NIXL_VERSION}" || die "could not install nixl ${NIXL_VERSION}"
+  "${VENV}/bin/python" -c "import nixl._api" || die "nixl does not import"
+}
+
+if [[ $FORCE -eq 0 && -f "$STAMP" && "$(cat "$STAMP")" == "$WANTED" ]] && versions_ok 0; then
+  if [[ $WITH_NIXL -eq 1 ]] && ! versions_ok 1 2>/dev/null; then
+    log "adding nixl ${NIXL_VERSION} to the ready environment"
+    install_nixl
+  fi
   log "ready: ${VENV} (${WANTED}, nixl=${WITH_NIXL})"
   build_model
   exit 0
@@ -149,9 +163,7 @@ echo "torch==${TORCH_VERSION}" >"$constraint"
 "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
 
 if [[ $WITH_NIXL -eq 1 ]]; then
-  # The `nixl` meta-package dispatches to nixl_cu12, which works without a GPU over UCX.
-  "${PIP[@]}" install --no-deps "nixl==${NIXL_VERSION}" "nixl-cu12==${NIXL_VERSION}" \
-    || die "could not install nixl ${NIXL_VERSION}"
+  install_nixl
 fi
 
 versions_ok || die "installed versions are wrong (see above)"
@@ -167,10 +179,6 @@ import vllm.platforms
 
 assert vllm.platforms.current_platform.is_cpu(), vllm.platforms.current_platform
 EOF
-if [[ $WITH_NIXL -eq 1 ]]; then
-  "${VENV}/bin/python" -c "import nixl" || die "nixl does not import"
-fi
-
 echo "$WANTED" >"$STAMP"
 build_model
 log "ready: ${VENV} (${WANTED}) in $(($(date +%s) - started)) s, $(du -sh "$VENV" | cut -f1)"

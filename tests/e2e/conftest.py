@@ -3,7 +3,7 @@
 Prerequisite (CI runs it first, via scripts/test.sh): ``scripts/setup_vllm_env.sh`` builds the vLLM
 venv and the tiny model. Missing pieces make the fixtures fail (never skip) with that command.
 
-vLLM servers live in one session-wide ``VllmFleet`` (at most three processes, ~3 GB each); tests ask
+vLLM servers live in one session-wide ``VllmFleet`` (at most two processes, ~3 GB each); tests ask
 for the set they need and get running servers, restarted if a previous test killed one. Test files
 are named so that those sharing servers run next to each other (aggregated pair first, P/D last).
 Logs: ``$HETGATE_E2E_LOGS`` if set, else a pytest temporary folder (named in every failure).
@@ -36,9 +36,9 @@ from vllm_server import (
 
 from bench.harness import GatewayProcess
 
-# NixlConnector on 2 CPU cores is functional but slow and flaky (docs/e2e.md): its test is opt-in and
-# outside CI, so it is not even collected unless asked for.
-collect_ignore = [] if os.environ.get("HETGATE_E2E_NIXL") == "1" else ["test_pd_nixl.py"]
+# Real P/D over NixlConnector runs by default (scripts/test.sh installs NIXL). HETGATE_E2E_NIXL=0 leaves
+# it out explicitly (not collected, so it cannot pass by skipping); without NIXL it fails, naming the fix.
+collect_ignore = ["test_pd_nixl.py"] if os.environ.get("HETGATE_E2E_NIXL") == "0" else []
 
 
 def _cpu_for(index: int) -> str:
@@ -87,7 +87,7 @@ def e2e_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_fleet(tiny_model: Path, vllm_venv: Path, e2e_logs: Path) -> Iterator[VllmFleet]:
-    fleet = VllmFleet(model_dir=tiny_model, log_dir=e2e_logs, venv=vllm_venv, max_running=3)
+    fleet = VllmFleet(model_dir=tiny_model, log_dir=e2e_logs, venv=vllm_venv, max_running=2)
     try:
         yield fleet
     finally:

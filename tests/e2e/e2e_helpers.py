@@ -7,8 +7,10 @@ import os
 import subprocess
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -89,21 +91,59 @@ def gateway_config(
     }
 
 
-def run_conformance_suite(target: dict[str, Any], report: Path, *paths: str) -> subprocess.CompletedProcess:
+@dataclass(frozen=True)
+class SuiteOutcome:
+    """What a child pytest run of the conformance suite did, read from its JUnit XML report."""
+
+    returncode: int
+    output: str  # the child's stdout and stderr, also written to the report file
+    passed: tuple[str, ...]  # test ids, e.g. "test_conformance_pd.py::test_chat_prefill_also_returns_params"
+    skipped: dict[str, str]  # test id -> skip reason
+    failed: tuple[str, ...]  # failures and errors
+
+    def summary(self) -> str:
+        return f"{len(self.passed)} passed, {len(self.skipped)} skipped, {len(self.failed)} failed"
+
+
+def run_conformance_suite(target: dict[str, Any], report: Path, *paths: str) -> SuiteOutcome:
     """tests/conformance (or some of its files) in a child pytest aimed at ``target``.
 
     The child keeps the suite's fixtures apart from ours; ``HETGATE_CONFORMANCE_TARGET`` is the
-    suite's documented way to point it at a live server. Its whole report is written to ``report``.
+    suite's documented way to point it at a live server. Its whole report is written to ``report``,
+    its JUnit XML beside it (``.xml``), from which the passed, skipped and failed checks are read.
     """
     suite = [str(REPO_ROOT / "tests" / "conformance" / path) for path in paths or ("",)]
+    junit = report.with_suffix(".xml")
+    junit.unlink(missing_ok=True)
     env = {**os.environ, "HETGATE_CONFORMANCE_TARGET": json.dumps(target)}
+    options = ["-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}"]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", *suite, "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts="],
+        [sys.executable, "-m", "pytest", *suite, *options],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=900,
     )
-    report.write_text(result.stdout + result.stderr)
-    return result
+    output = result.stdout + result.stderr
+    report.write_text(output)
+    if not junit.exists():
+        return SuiteOutcome(result.returncode, output, (), {}, ("(no JUnit report written)",))
+    return _outcome_from_junit(result.returncode, output, junit)
+
+
+def _outcome_from_junit(returncode: int, output: str, junit: Path) -> SuiteOutcome:
+    passed: list[str] = []
+    skipped: dict[str, str] = {}
+    failed: list[str] = []
+    for case in ElementTree.parse(junit).iter("testcase"):
+        # classname "tests.conformance.test_conformance_pd", name "test_x" -> "test_conformance_pd.py::test_x"
+        test_id = f"{case.get('classname', '').rsplit('.', 1)[-1]}.py::{case.get('name')}"
+        skip = case.find("skipped")
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(test_id)
+        elif skip is not None:
+            skipped[test_id] = skip.get("message", "")
+        else:
+            passed.append(test_id)
+    return SuiteOutcome(returncode, output, tuple(passed), skipped, tuple(failed))

@@ -6,7 +6,7 @@ A server runs ``python -m vllm.entrypoints.openai.api_server`` from the venv tha
 worker children. Its output goes to a log file; a failed start raises with the log's last lines.
 
 Each vLLM process holds about 3 GB (1 GiB of KV cache included) and takes about a minute to start
-on two cores, so callers keep at most three alive at once (``VllmFleet``).
+on two cores, so callers keep few alive at once (``VllmFleet``; the e2e tests keep two).
 """
 
 from __future__ import annotations
@@ -87,13 +87,17 @@ class KvTransfer:
     shared_path: Path | None = None
     connector: str = "ExampleConnector"
     buffer_device: str | None = None
+    extra_config: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config entries
 
     def to_json(self) -> str:
         config: dict[str, object] = {"kv_connector": self.connector, "kv_role": self.role}
         if self.buffer_device:
             config["kv_buffer_device"] = self.buffer_device
+        extra = dict(self.extra_config)
         if self.shared_path is not None:
-            config["kv_connector_extra_config"] = {"shared_storage_path": str(self.shared_path)}
+            extra["shared_storage_path"] = str(self.shared_path)
+        if extra:
+            config["kv_connector_extra_config"] = extra
         return json.dumps(config)
 
 
