@@ -1,4 +1,4 @@
-"""The `hetgate` command: serve, check-config, sim, demo, bench."""
+"""The `hetgate` command: serve, check-config, sim, demo, bench, plan."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ BENCHMARKS = {
     "index": "bench.index_bench",
     "cache": "bench.cache_bench",
     "des": "bench.des_bench",
+    "policies": "bench.policies",
 }
 
 CONFIG_ENV = "HETGATE_CONFIG"
@@ -101,16 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="a simulated cluster behind the gateway (hetgate demo --help)", add_help=False
     )
     commands.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)}", add_help=False)
+    commands.add_parser(
+        "plan", help="recommend a role per backend for a trace (hetgate plan --help)", add_help=False
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # sim, demo and bench own their flags: hand them the rest of the command line untouched.
+    # sim, demo, plan and bench own their flags: hand them the rest of the command line untouched.
     if argv and argv[0] == "sim":
         return _delegate("bench.sim.cli", argv[1:])
     if argv and argv[0] == "demo":
         return _delegate("bench.demo", argv[1:])
+    if argv and argv[0] == "plan":
+        return _delegate("bench.plan", argv[1:])
     if argv and argv[0] == "bench":
         if len(argv) < 2 or argv[1] not in BENCHMARKS:
             print(f"usage: hetgate bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)

@@ -1,0 +1,215 @@
+"""HTTP mode of `hetgate bench policies`: the same scenarios through real processes on loopback.
+
+Each (scenario, rate, policy) point starts one `hetgate sim --engine cost` per backend of the cluster (timed
+by the same roofline as the discrete-event mode, `--time-scale` simulated seconds per wall second), a real
+`hetgate serve` with that policy in front, and replays the scenario's requests at their arrival times as
+streamed /v1/completions with token-id prompts (exact prompt lengths). Times are reported in simulated
+seconds, so a row is comparable with the DES row of the same point. `--target NAME=URL` sends the same load
+to an external OpenAI-compatible router instead of hetgate: configure it with the backends' URLs from the
+cluster's config file (the sims listen on those ports when a target is given). Fresh processes per point,
+so no cache or learnt correction carries over from one point to the next.
+
+Utilisation is not measured over HTTP (the sims do not export busy time); `utilisation` is empty there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+import numpy as np
+
+from bench.clusters import Cluster
+from bench.harness import GatewayProcess
+from bench.policies import (
+    Outcome,
+    Plan,
+    Row,
+    Scenario,
+    Slo,
+    cluster_named,
+    get_scenario,
+    rates_for,
+    row_from,
+    scenario_bound,
+)
+from bench.sim.server import SimProcess
+from bench.workloads import WorkloadRequest
+
+_ROUTE = re.compile(r"(prefill|decode|backend)=([^;\s]+)")
+
+
+def sim_args(cluster: Cluster, index: int, time_scale: float, port: int | None) -> list[str]:
+    backend = cluster.config.backends[index]
+    roles = {r.value for r in backend.roles}
+    role = "both" if roles == {"prefill", "decode"} else roles.pop()
+    eff = cluster.efficiency
+    args = [
+        "--model", cluster.config.models[0].name, "--cost-model", cluster.model.name, "--engine", "cost",
+        "--accelerator", backend.accelerator, "--gpus", str(backend.gpus), "--role", role,
+        "--time-scale", str(time_scale), "--block-size", str(backend.block_size),
+        "--max-num-seqs", str(backend.max_num_seqs), "--enable-prompt-tokens-details",
+        "--max-model-len", "131072", "--efficiency", json.dumps({"mfu": eff.mfu, "bw_util": eff.bw_util}),
+    ]  # fmt: skip
+    return args + (["--port", str(port)] if port else [])
+
+
+def gateway_config(cluster: Cluster, urls: Sequence[str], policy: str) -> dict[str, Any]:
+    name, _, split = policy.partition("/")
+    config = cluster.config.model_dump(mode="json", exclude_none=True)
+    for backend, url in zip(config["backends"], urls, strict=True):
+        backend["url"] = url
+    config["routing"] = {**config["routing"], "policy": name, "disaggregation": split or "never"}
+    config["health"] = {"interval_s": 0.5, "metrics_interval_s": 0.25}
+    config["timeouts"] = {"connect_s": 2.0, "ttfb_s": 600.0, "idle_s": 600.0}
+    return config
+
+
+async def replay(
+    url: str, model: str, requests: Sequence[WorkloadRequest], time_scale: float
+) -> list[Outcome]:
+    """Send each request at its arrival time (scaled to wall time); times come back in simulated seconds."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter() + 0.2
+        tasks = [_one(session, url, model, r, start, time_scale) for r in requests]
+        return list(await asyncio.gather(*tasks))
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, model: str, r: WorkloadRequest, start: float, scale: float
+) -> Outcome:
+    await asyncio.sleep(max(0.0, start + r.arrival_s / scale - time.perf_counter()))
+    sent = time.perf_counter()
+    body = {
+        "model": model, "prompt": r.token_ids(), "max_tokens": r.max_tokens, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }  # fmt: skip
+    first = finish = 0.0
+    tokens = 0
+    route = ""
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            route = response.headers.get("x-hetgate-route", "")
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.perf_counter()
+                first = first or now
+                finish = now
+                if b'"usage"' in line:
+                    tokens = int((json.loads(line[6:]).get("usage") or {}).get("completion_tokens") or tokens)
+            ok = response.status == 200 and tokens > 0
+    except (TimeoutError, aiohttp.ClientError):
+        ok = False
+    fields = dict(_ROUTE.findall(route))
+    backends = tuple(fields[k] for k in ("prefill", "decode", "backend") if k in fields) or ("?",)
+    to_sim = lambda t: (t - start) * scale  # noqa: E731
+    return Outcome(ok, to_sim(sent), to_sim(first), to_sim(finish), tokens, "mode=pd" in route, backends)
+
+
+async def _scrape(urls: Sequence[str]) -> tuple[float, float]:
+    """Prefix cache (hits, queries) summed over the sims' /metrics."""
+    hits = queries = 0.0
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            async with session.get(f"{url}/metrics") as response:
+                text = await response.text()
+            hits += _counter(text, "vllm:prefix_cache_hits_total")
+            queries += _counter(text, "vllm:prefix_cache_queries_total")
+    return hits, queries
+
+
+def _counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def run_http(
+    scenario: Scenario,
+    rate: float,
+    policy: str,
+    slo: Slo,
+    time_scale: float,
+    target: tuple[str, str] | None = None,
+) -> Row:
+    """One point over HTTP: hetgate with `policy`, or the external router `target` = (name, url)."""
+    cluster = cluster_named(scenario.cluster)
+    requests = scenario.at_rate(rate)
+    model = cluster.config.models[0].name
+    ports = (
+        [urlparse(b.base_url).port for b in cluster.config.backends] if target else [None] * len(cluster.ids)
+    )
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        sims = [
+            SimProcess(sim_args(cluster, k, time_scale, port), startup_timeout_s=90)
+            for k, port in enumerate(ports)
+        ]
+        for sim in sims:
+            stack.callback(sim.stop)
+        with ThreadPoolExecutor(
+            len(sims)
+        ) as pool:  # each start waits for its ready line: wait for all at once
+            list(pool.map(SimProcess.start, sims))
+        urls = [s.url for s in sims]
+        if target is None:
+            gateway = stack.enter_context(GatewayProcess(gateway_config(cluster, urls, policy)))
+            front = gateway.url
+        else:
+            front = target[1].rstrip("/")
+        outcomes = asyncio.run(replay(front, model, requests, time_scale))
+        hits, queries = asyncio.run(_scrape(urls))
+    extra = {
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "utilisation": {},
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+    mode, label = ("http", policy) if target is None else (f"target:{target[0]}", f"target:{target[0]}")
+    limits = slo.limits(cluster, scenario.requests)
+    bound = scenario_bound(scenario)
+    return row_from(scenario, mode, rate, bound, label, outcomes, limits, extra, cluster.ids)
+
+
+def parse_targets(specs: Sequence[str]) -> list[tuple[str, str]]:
+    out = []
+    for spec in specs:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise SystemExit(f"--target wants NAME=URL (http...), not {spec!r}")
+        out.append((name, url))
+    return out
+
+
+def http_sweep(
+    plan: Plan, time_scale: float, targets: Sequence[str], progress: Callable[[Row], None] | None = None
+) -> list[Row]:
+    external = parse_targets(targets)
+    rows: list[Row] = []
+    for name in plan.scenarios:
+        scenario = get_scenario(name, plan.requests)
+        for rate in rates_for(plan, scenario):
+            points: list[tuple[str, tuple[str, str] | None]] = [(p, None) for p in plan.policies]
+            points += [(f"target:{t[0]}", t) for t in external]
+            for policy, target in points:
+                rows.append(run_http(scenario, rate, policy, plan.slo, time_scale, target))
+                if progress:
+                    progress(rows[-1])
+    return rows
+
+
+def agreement(des: Row, http: Row) -> dict[str, float]:
+    """Relative differences |http - des| / des of the figures both modes measure."""
+    out = {}
+    for key in ("output_tok_per_s", "ttft_p50_s", "ttft_p90_s", "tpot_p90_s", "goodput_frac"):
+        a, b = float(getattr(des, key)), float(getattr(http, key))
+        out[key] = abs(b - a) / abs(a) if a else float(np.inf if b else 0.0)
+    return out
