@@ -15,8 +15,8 @@ SLO capacity (DistServe's goodput) is the highest rate at which >= 90 % of reque
 linearly between the last swept rate that does and the first that does not.
 
     hetgate bench policies [--quick] [--scenarios A,B] [--policies cost/auto,...]
-                           [--rates R1,R2 | --rate-fracs F1,F2] [--requests N] [--trace FILE] [--json FILE] [--plot FILE] [--jobs J]
-                           [--http [--target NAME=URL]]
+                           [--rates R1,R2 | --rate-fracs F1,F2] [--requests N] [--trace FILE]
+                           [--json FILE] [--plot FILE] [--jobs J] [--http [--target NAME=URL]]
 """
 
 from __future__ import annotations
