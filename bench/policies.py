@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -383,17 +384,24 @@ def capacities(rows: Sequence[Row]) -> list[dict[str, Any]]:
 
 
 def _ratio(caps: dict[str, tuple[float, bool]], a: str, b: str) -> float | None:
-    if a not in caps or b not in caps or caps[b][0] <= 0:
+    if a not in caps or b not in caps:
         return None
-    return round(caps[a][0] / caps[b][0], 3)
+    return _divide(caps[a][0], caps[b][0])
 
 
 def _best_ratio(caps: dict[str, tuple[float, bool]], a: str, b: str) -> float | None:
     best_a = max((c for p, (c, _) in caps.items() if p.startswith(a + "/")), default=None)
     best_b = max((c for p, (c, _) in caps.items() if p.startswith(b + "/")), default=None)
-    if best_a is None or not best_b:
+    if best_a is None or best_b is None:
         return None
-    return round(best_a / best_b, 3)
+    return _divide(best_a, best_b)
+
+
+def _divide(a: float, b: float) -> float | None:
+    """a / b; infinite when only b is 0 (the baseline never met the SLO), None when both are."""
+    if b > 0:
+        return round(a / b, 3)
+    return math.inf if a > 0 else None
 
 
 # --- the sweep ------------------------------------------------------------------------------------------
@@ -572,15 +580,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--json", default=None, help="write rows, capacities and bounds to this file")
     add("--plot", default=None, help="draw goodput vs rate per policy (PNG)")
     add("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel simulator processes")
-    add("--http", action="store_true", help="through the real gateway and `hetgate sim` backends (short)")
-    add("--time-scale", type=float, default=4.0, help="--http: simulated seconds per wall second")
+    add(
+        "--http",
+        action="store_true",
+        help="also through the real gateway and `hetgate sim` backends, compared with the DES "
+        "(default: seed case, 12 requests, 0.3x the bound)",
+    )
+    add("--time-scale", type=float, default=1.0, help="--http: simulated seconds per wall second")
     add("--target", action="append", default=[], help="--http: NAME=URL of an external router to compare")
     add("--quiet", action="store_true", help="no progress lines")
     return parser.parse_args(list(argv))
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
-    if args.quick:
+    if args.http and not args.quick:  # real processes in real time: a short check, not a sweep
+        scenarios, requests, fracs = ["seed"], args.requests or 12, (0.3,)
+    elif args.quick:
         scenarios = list(QUICK_SCENARIOS) + [f"trace:{t}@amd" for t in args.trace]
         requests, fracs = args.requests or 50, QUICK_RATE_FRACS
     else:
@@ -619,15 +634,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
 
+    agreements: list[dict[str, Any]] = []
     if args.http:
-        from bench.policies_http import http_sweep
+        from bench.policies_http import agreement, http_sweep
 
         rows = http_sweep(plan, args.time_scale, args.target, progress)
+        des = sweep(plan, args.jobs, progress)  # the same points in the simulator, to compare
+        by_point = {(r.scenario, r.rate, r.policy): r for r in des}
+        for h in rows:
+            d = by_point.get((h.scenario, h.rate, h.policy))
+            if d is not None:
+                point = {"scenario": h.scenario, "rate": h.rate, "policy": h.policy}
+                agreements.append({**point, **agreement(d, h)})
+        rows += des
     else:
         rows = sweep(plan, args.jobs, progress)
     data = report(plan, rows)
+    if agreements:
+        data["http_vs_des"] = agreements
     data["wall_s"] = round(time.perf_counter() - started, 1)
     print_report(data)
+    for a in agreements:
+        figures = ", ".join(f"{k} {v:.1%}" for k, v in a.items() if isinstance(v, float) and k != "rate")
+        print(f"HTTP vs DES, {a['scenario']} {a['policy']} at {a['rate']:.3g}/s: {figures}")
     print(f"{len(rows)} rows in {data['wall_s']} s")
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
