@@ -116,7 +116,7 @@ def new_tokens(requests: Sequence[WorkloadRequest]) -> tuple[np.ndarray, np.ndar
 
 def fluid_bound(cluster: Cluster, requests: Sequence[WorkloadRequest]) -> FluidBound:
     """The LP of the module docstring, for this workload's mix of prompt and output lengths."""
-    from scipy.optimize import linprog
+    from scipy.optimize import linprog  # type: ignore[import-untyped]
 
     hw, model, eff = cluster.hardware(), cluster.model, cluster.efficiency
     n = len(cluster.backends)

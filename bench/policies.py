@@ -593,6 +593,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
+    fracs: tuple[float, ...]
     if args.http and not args.quick:  # real processes in real time: a short check, not a sweep
         scenarios, requests, fracs = ["seed"], args.requests or 12, (0.3,)
     elif args.quick:
