@@ -2,8 +2,9 @@
 and the cost model's fluid bound on what those backends can serve for a given workload.
 
 The fluid bound is a linear program over per-backend request rates: backend i prefills `p_i` and decodes
-`d_i` requests per second (only in the roles the config allows), its time shares add up to at most 1, and
-every decoded request was prefilled somewhere (KV transfer free). Each request's work is priced by the same
+`d_i` requests per second (only in the roles the config allows; a decode-only backend prefills at most
+the requests it serves whole), its time shares add up to at most 1, and every decoded request was
+prefilled somewhere (KV transfer free). Each request's work is priced by the same
 `scoring.cost.step_time` that times the simulator, at the engine's best case: prefill in full chunks of
 `max_num_batched_tokens` (weights read once per chunk, step overhead shared), only the tokens no earlier
 request of the workload already computed (an ideal, cluster-wide prefix cache), and decode at the largest
@@ -138,9 +139,14 @@ def fluid_bound(cluster: Cluster, requests: Sequence[WorkloadRequest]) -> FluidB
     can_d = np.array([Role.DECODE in b.spec.roles for b in cluster.backends])
     cost = np.concatenate([np.zeros(n), -np.ones(n)])
     busy = np.hstack([np.diag(prefill_s), np.diag(decode_s)])
+    # A decode-only backend still prefills what it serves aggregated (the router sends it whole requests),
+    # but nobody else's: p_i <= d_i.
+    own = np.hstack([np.eye(n), -np.eye(n)])[~can_p & can_d]
     balance = np.concatenate([np.ones(n), -np.ones(n)])[None, :]
-    bounds = [(0, None if ok else 0) for ok in np.concatenate([can_p, can_d])]
-    lp = linprog(cost, A_ub=busy, b_ub=np.ones(n), A_eq=balance, b_eq=[0.0], bounds=bounds)
+    bounds = [(0, None if ok else 0) for ok in np.concatenate([can_p | can_d, can_d])]
+    a_ub = np.vstack([busy, own])
+    b_ub = np.concatenate([np.ones(n), np.zeros(len(own))])
+    lp = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=balance, b_eq=[0.0], bounds=bounds)
     if lp.status != 0:
         return FluidBound(0.0, 0.0, dict.fromkeys(cluster.ids, 0.0), dict.fromkeys(cluster.ids, 0.0))
     p, d = lp.x[:n], lp.x[n:]

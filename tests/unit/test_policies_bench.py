@@ -121,8 +121,12 @@ def test_fluid_bound_respects_roles_and_never_shrinks_with_more_roles() -> None:
     cluster = load_cluster(CLUSTERS["amd"], "amd")
     requests = w.fixed_lengths(20, 16384, 128)
     as_configured = fluid_bound(cluster, requests)
-    # seed-case.yaml: the MI308X servers only decode, so all prefill is on the MI300X.
-    assert as_configured.prefill_share["mi308x-0"] == 0.0
+    # seed-case.yaml: the MI308X servers only decode, but prefill what they serve whole; a strict P/D
+    # split (MI300X prefill only) can do no better.
+    pure = [ROLE_CHOICES["prefill"], ROLE_CHOICES["decode"], ROLE_CHOICES["decode"]]
+    strict = fluid_bound(cluster.with_roles(pure), requests)
+    assert 0 < strict.requests_per_s <= as_configured.requests_per_s
+    assert strict.decode_share["mi300x-0"] == 0.0
     both = ROLE_CHOICES["both"]
     everything = fluid_bound(cluster.with_roles([both] * 3), requests)
     assert everything.requests_per_s >= as_configured.requests_per_s
