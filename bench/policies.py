@@ -179,7 +179,7 @@ class Row:
     policy: str
     requests: int
     completed: int
-    output_tok_per_s: float  # while requests were arriving (see `loaded_throughput`)
+    output_tok_per_s: float  # first arrival to last token (see `output_throughput`)
     goodput_frac: float
     ttft_p50_s: float
     ttft_p90_s: float
@@ -237,7 +237,7 @@ def row_from(
         policy=policy,
         requests=len(outcomes),
         completed=len(ok),
-        output_tok_per_s=loaded_throughput(outcomes),
+        output_tok_per_s=output_throughput(outcomes),
         goodput_frac=sum(meets) / max(len(outcomes), 1),
         ttft_p50_s=float(np.percentile(ttft, 50)),
         ttft_p90_s=float(np.percentile(ttft, 90)),
@@ -249,27 +249,16 @@ def row_from(
     )
 
 
-def loaded_throughput(outcomes: Sequence[Outcome]) -> float:
-    """Output tokens per second while the load was on: from the first arrival to the last, each request's
-    tokens spread evenly from its first token to its last. A finite run ends with a drain (the last
-    requests decoding alone) that says nothing about capacity; past saturation this window measures what
-    the cluster served with a queue in front of it. All arrivals at one instant: the whole run."""
+def output_throughput(outcomes: Sequence[Outcome]) -> float:
+    """Output tokens of the completed requests over the run, first arrival to last token (as `vllm bench
+    serve` reports it). A finite run ends with a drain that lowers it; runs long enough to reach a steady
+    queue (`--requests`) bring it to the cluster's capacity past saturation."""
     ok = [o for o in outcomes if o.ok]
     if not ok:
         return 0.0
     start = min(o.arrival_s for o in outcomes)
-    end = max(o.arrival_s for o in outcomes)
-    if end <= start:
-        end = max(o.finish_s for o in ok)
-    tokens = 0.0
-    for o in ok:
-        span = o.finish_s - o.first_token_s
-        inside = min(o.finish_s, end) - max(o.first_token_s, start)
-        if span <= 0:
-            tokens += o.output_tokens if start <= o.finish_s <= end else 0
-        elif inside > 0:
-            tokens += o.output_tokens * inside / span
-    return tokens / (end - start) if end > start else 0.0
+    end = max(o.finish_s for o in ok)
+    return sum(o.output_tokens for o in ok) / (end - start) if end > start else 0.0
 
 
 def _tpot(o: Outcome) -> float:
