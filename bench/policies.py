@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -77,18 +77,12 @@ class Scenario:
     def at_rate(self, rate: float, seed: int = 0) -> list[w.WorkloadRequest]:
         if self.arrivals == "bursty":
             return w.with_bursty_arrivals(self.requests, rate, burst_size=8, seed=seed)
-        duration = max(r.arrival_s for r in self.requests) - min(r.arrival_s for r in self.requests)
+        start = min(r.arrival_s for r in self.requests)
+        duration = max(r.arrival_s for r in self.requests) - start
         if self.arrivals == "trace" and duration > 0:
-            start = min(r.arrival_s for r in self.requests)
-            shifted = [r if start == 0 else _shift(r, start) for r in self.requests]
+            shifted = [replace(r, arrival_s=r.arrival_s - start) for r in self.requests]
             return w.with_speedup(shifted, rate / (len(self.requests) / duration))
         return w.with_poisson_arrivals(self.requests, rate, seed)
-
-
-def _shift(r: w.WorkloadRequest, start: float) -> w.WorkloadRequest:
-    from dataclasses import replace
-
-    return replace(r, arrival_s=r.arrival_s - start)
 
 
 def workload(kind: str, n: int, trace: str | None = None) -> tuple[list[w.WorkloadRequest], str]:
@@ -336,18 +330,14 @@ def _utilisation(sim: Simulation, result: DesResult) -> dict[str, float]:
     return {spec.id: round(b / span, 3) for spec, b in zip(sim.specs, busy, strict=True)}
 
 
-@cache
-def _bound_cached(name: str, n: int) -> FluidBound:
-    return fluid_bound(cluster_named(_SCENARIOS[(name, n)].cluster), _SCENARIOS[(name, n)].requests)
-
-
-_SCENARIOS: dict[tuple[str, int], Scenario] = {}
+_BOUNDS: dict[tuple[str, int], FluidBound] = {}  # per process: (scenario, requests) -> its bound
 
 
 def scenario_bound(scenario: Scenario) -> FluidBound:
     key = (scenario.name, len(scenario.requests))
-    _SCENARIOS.setdefault(key, scenario)
-    return _bound_cached(*key)
+    if key not in _BOUNDS:
+        _BOUNDS[key] = fluid_bound(cluster_named(scenario.cluster), scenario.requests)
+    return _BOUNDS[key]
 
 
 # --- SLO capacity ---------------------------------------------------------------------------------------

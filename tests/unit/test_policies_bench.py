@@ -130,8 +130,10 @@ def test_fluid_bound_respects_roles_and_never_shrinks_with_more_roles() -> None:
     both = ROLE_CHOICES["both"]
     everything = fluid_bound(cluster.with_roles([both] * 3), requests)
     assert everything.requests_per_s >= as_configured.requests_per_s
-    no_prefill = cluster.with_roles([ROLE_CHOICES["decode"]] * 3)
-    assert fluid_bound(no_prefill, requests).requests_per_s == 0.0
+    decode_only = fluid_bound(cluster.with_roles([ROLE_CHOICES["decode"]] * 3), requests)
+    assert 0 < decode_only.requests_per_s <= everything.requests_per_s  # each serves whole requests
+    no_decode = cluster.with_roles([ROLE_CHOICES["prefill"]] * 3)
+    assert fluid_bound(no_decode, requests).requests_per_s == 0.0
 
 
 def test_bursty_arrivals_come_in_groups_at_the_mean_rate() -> None:
