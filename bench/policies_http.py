@@ -117,16 +117,18 @@ async def _one(
     return Outcome(ok, to_sim(sent), to_sim(first), to_sim(finish), tokens, "mode=pd" in route, backends)
 
 
-async def _scrape(urls: Sequence[str]) -> tuple[float, float]:
-    """Prefix cache (hits, queries) summed over the sims' /metrics."""
+async def _scrape(urls: Sequence[str]) -> tuple[float, float, list[int]]:
+    """Prefix cache (hits, queries) summed over the sims' /metrics, and each sim's finished requests."""
     hits = queries = 0.0
+    finished = []
     async with aiohttp.ClientSession() as session:
         for url in urls:
             async with session.get(f"{url}/metrics") as response:
                 text = await response.text()
             hits += _counter(text, "vllm:prefix_cache_hits_total")
             queries += _counter(text, "vllm:prefix_cache_queries_total")
-    return hits, queries
+            finished.append(int(_counter(text, "vllm:request_success_total")))
+    return hits, queries, finished
 
 
 def _counter(text: str, name: str) -> float:
@@ -140,14 +142,18 @@ def run_http(
     slo: Slo,
     time_scale: float,
     target: tuple[str, str] | None = None,
+    sim_ports: Sequence[int] | None = None,
 ) -> Row:
-    """One point over HTTP: hetgate with `policy`, or the external router `target` = (name, url)."""
+    """One point over HTTP: hetgate with `policy`, or the external router `target` = (name, url). The sims
+    listen on `sim_ports`; by default on free ports, or with a target on the ports of the config's URLs."""
     cluster = cluster_named(scenario.cluster)
     requests = scenario.at_rate(rate)
     model = cluster.config.models[0].name
-    ports = (
-        [urlparse(b.base_url).port for b in cluster.config.backends] if target else [None] * len(cluster.ids)
-    )
+    ports: list[int | None] = [None] * len(cluster.ids)
+    if sim_ports is not None:
+        ports = list(sim_ports)
+    elif target is not None:
+        ports = [urlparse(b.base_url).port for b in cluster.config.backends]
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         sims = [
@@ -167,7 +173,7 @@ def run_http(
         else:
             front = target[1].rstrip("/")
         outcomes = asyncio.run(replay(front, model, requests, time_scale))
-        hits, queries = asyncio.run(_scrape(urls))
+        hits, queries, finished = asyncio.run(_scrape(urls))
     extra = {
         "prefix_hit_rate": hits / queries if queries else 0.0,
         "utilisation": {},
@@ -176,7 +182,11 @@ def run_http(
     mode, label = ("http", policy) if target is None else (f"target:{target[0]}", f"target:{target[0]}")
     limits = slo.limits(cluster, scenario.requests)
     bound = scenario_bound(scenario)
-    return row_from(scenario, mode, rate, bound, label, outcomes, limits, extra, cluster.ids)
+    row = row_from(scenario, mode, rate, bound, label, outcomes, limits, extra, cluster.ids)
+    if "?" in row.requests_per_backend:  # an external router names no backend: count what each sim finished
+        # (a split request finishes on both sides; a router that splits is counted on both)
+        row.requests_per_backend = dict(zip(cluster.ids, finished, strict=True))
+    return row
 
 
 def parse_targets(specs: Sequence[str]) -> list[tuple[str, str]]:

@@ -3,10 +3,17 @@ agree with the discrete-event mode on the same requests at the same arrival time
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 
 from bench import policies as pb
 from bench import workloads as w
+from bench.harness import free_port
 from bench.policies_http import agreement, parse_targets, run_http
 
 TOLERANCE = 0.10  # the agreement the benchmark promises between its two modes
@@ -28,6 +35,36 @@ def test_http_and_des_agree_within_ten_percent_on_a_tiny_run() -> None:
     assert diff["output_tok_per_s"] <= TOLERANCE
     assert diff["ttft_p50_s"] <= TOLERANCE
     assert http.mode == "http" and http.policy == policy
+
+
+def test_an_external_router_gets_the_same_load_on_the_same_backends() -> None:
+    # The floor proxy (bench/floor_proxy.py) stands in for an external router: it forwards everything to
+    # one backend and names none, so the row counts what each simulated backend finished.
+    ports = [free_port() for _ in range(3)]
+    proxy_port = free_port()
+    command = [sys.executable, "-m", "bench.floor_proxy", f"http://127.0.0.1:{ports[0]}", str(proxy_port)]
+    proxy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_listening(proxy_port, proxy)
+        scenario = pb.Scenario("seed-floor", "amd", tuple(w.fixed_lengths(4, 4096, 4, name="fl")), "poisson")
+        target = ("floor", f"http://127.0.0.1:{proxy_port}")
+        row = run_http(scenario, 0.5, "", pb.Slo(), 2.0, target=target, sim_ports=ports)
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=10)
+    assert row.mode == row.policy == "target:floor"
+    assert row.completed == 4 and row.output_tok_per_s > 0
+    assert row.requests_per_backend == {"mi300x-0": 4, "mi308x-0": 0, "mi308x-1": 0}
+
+
+def _wait_listening(port: int, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the floor proxy exited"
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on {port} after {timeout_s} s")
 
 
 def test_targets_need_a_name_and_an_http_url() -> None:
