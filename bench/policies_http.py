@@ -74,24 +74,35 @@ def gateway_config(cluster: Cluster, urls: Sequence[str], policy: str) -> dict[s
 
 
 async def replay(
-    url: str, model: str, requests: Sequence[WorkloadRequest], time_scale: float
+    url: str, model: str, requests: Sequence[WorkloadRequest], time_scale: float, text: bool = False
 ) -> list[Outcome]:
-    """Send each request at its arrival time (scaled to wall time); times come back in simulated seconds."""
+    """Send each request at its arrival time (scaled to wall time); times come back in simulated seconds.
+    Prompts go as token ids (exact lengths), or as text (`text`: for routers that take no token ids,
+    such as sglang-router; the simulator's tokenizer reads about one token per word)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.perf_counter() + 0.2
-        tasks = [_one(session, url, model, r, start, time_scale) for r in requests]
+        tasks = [
+            _one(session, url, model, r, r.text() if text else r.token_ids(), start, time_scale)
+            for r in requests
+        ]
         return list(await asyncio.gather(*tasks))
 
 
 async def _one(
-    session: aiohttp.ClientSession, url: str, model: str, r: WorkloadRequest, start: float, scale: float
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    r: WorkloadRequest,
+    prompt: str | list[int],
+    start: float,
+    scale: float,
 ) -> Outcome:
     await asyncio.sleep(max(0.0, start + r.arrival_s / scale - time.perf_counter()))
     sent = time.perf_counter()
     body = {
-        "model": model, "prompt": r.token_ids(), "max_tokens": r.max_tokens, "stream": True,
+        "model": model, "prompt": prompt, "max_tokens": r.max_tokens, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True,
     }  # fmt: skip
     first = finish = 0.0
@@ -115,6 +126,19 @@ async def _one(
     backends = tuple(fields[k] for k in ("prefill", "decode", "backend") if k in fields) or ("?",)
     to_sim = lambda t: (t - start) * scale  # noqa: E731
     return Outcome(ok, to_sim(sent), to_sim(first), to_sim(finish), tokens, "mode=pd" in route, backends)
+
+
+async def _wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    """An external router may find its workers only after they start: wait until it lists a model."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with session.get(f"{url}/v1/models") as response:
+                    if response.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} did not list a model within {timeout_s:.0f} s")
 
 
 async def _scrape(urls: Sequence[str]) -> tuple[float, float, list[int]]:
@@ -143,6 +167,7 @@ def run_http(
     time_scale: float,
     target: tuple[str, str] | None = None,
     sim_ports: Sequence[int] | None = None,
+    text_prompts: bool = False,
 ) -> Row:
     """One point over HTTP: hetgate with `policy`, or the external router `target` = (name, url). The sims
     listen on `sim_ports`; by default on free ports, or with a target on the ports of the config's URLs."""
@@ -172,7 +197,8 @@ def run_http(
             front = gateway.url
         else:
             front = target[1].rstrip("/")
-        outcomes = asyncio.run(replay(front, model, requests, time_scale))
+            asyncio.run(_wait_ready(front))
+        outcomes = asyncio.run(replay(front, model, requests, time_scale, text_prompts))
         hits, queries, finished = asyncio.run(_scrape(urls))
     extra = {
         "prefix_hit_rate": hits / queries if queries else 0.0,
@@ -210,7 +236,9 @@ def http_sweep(
             points: list[tuple[str, tuple[str, str] | None]] = [(p, None) for p in plan.policies]
             points += [(f"target:{t[0]}", t) for t in external]
             for policy, target in points:
-                rows.append(run_http(scenario, rate, policy, plan.slo, time_scale, target))
+                # With an external router in the run, every row sends text: the same prompts for all.
+                text = bool(external)
+                rows.append(run_http(scenario, rate, policy, plan.slo, time_scale, target, text_prompts=text))
                 if progress:
                     progress(rows[-1])
     return rows
