@@ -111,14 +111,19 @@ async def _one(
     try:
         async with session.post(f"{url}/v1/completions", json=body) as response:
             route = response.headers.get("x-hetgate-route", "")
+            chunks = 0  # text chunks: the token count when a router drops the usage chunk (sglang-router)
             async for line in response.content:
                 if not line.startswith(b"data: {"):
                     continue
                 now = time.perf_counter()
-                first = first or now
+                event = json.loads(line[6:])
+                if any(c.get("text") for c in event.get("choices") or ()):
+                    first = first or now
+                    chunks += 1
                 finish = now
-                if b'"usage"' in line:
-                    tokens = int((json.loads(line[6:]).get("usage") or {}).get("completion_tokens") or tokens)
+                usage = event.get("usage") or {}
+                tokens = int(usage.get("completion_tokens") or tokens)
+            tokens = tokens or chunks
             ok = response.status == 200 and tokens > 0
     except (TimeoutError, aiohttp.ClientError):
         ok = False
