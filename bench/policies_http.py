@@ -134,16 +134,17 @@ async def _one(
 
 
 async def _wait_ready(url: str, timeout_s: float = 120.0) -> None:
-    """An external router may find its workers only after they start: wait until it lists a model."""
+    """An external router may find its workers only after they start: wait until its /v1/models answers
+    with anything but a server error (a 503 says it has no worker yet; a bare proxy may say 405)."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
         while time.monotonic() < deadline:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 async with session.get(f"{url}/v1/models") as response:
-                    if response.status == 200:
+                    if response.status < 500:
                         return
             await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} did not list a model within {timeout_s:.0f} s")
+    raise RuntimeError(f"{url} did not answer /v1/models within {timeout_s:.0f} s")
 
 
 async def _scrape(urls: Sequence[str]) -> tuple[float, float, list[int]]:
