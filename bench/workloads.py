@@ -11,11 +11,13 @@ are replayed faithfully:
   is unique (no shared blocks).
 * Synthetic: shared system prompts, multi-turn chats (each turn's prompt extends the previous one), long
   context coding (a few large repositories, short questions), and fixed lengths (the seed case).
+* Any trace file in either format: `load_trace(path)` picks the reader by the file's content.
 
 The traces ship with the package (`bench/data/traces/`, licences and citation in its README);
 `$HETGATE_TRACES` names another folder holding files of the same names.
-Arrival times can be replaced by a Poisson process at a chosen rate (`with_poisson_arrivals`) or scaled
-(`with_speedup`); closed-loop concurrency is a property of the runner (`bench/sim/des.py`).
+Arrival times can be replaced by a Poisson process at a chosen rate (`with_poisson_arrivals`), by bursts
+(groups of requests at one instant, `with_bursty_arrivals`) or scaled (`with_speedup`); closed-loop
+concurrency is a property of the runner (`bench/sim/des.py`).
 """
 
 from __future__ import annotations
@@ -177,6 +179,19 @@ def azure_trace(
     return requests
 
 
+def load_trace(path: str | Path, limit: int | None = None) -> list[WorkloadRequest]:
+    """A trace file in Mooncake (JSON lines with `hash_ids`) or Azure LLM 2023 (CSV with `ContextTokens`)
+    format, told apart by the first line, not the file name."""
+    source = Path(path)
+    with source.open() as handle:
+        first = handle.readline().strip()
+    if first.startswith("{"):
+        return mooncake_trace(source, limit)
+    if "ContextTokens" in first and "GeneratedTokens" in first:
+        return azure_trace("conv" if "conv" in source.name else "code", source, limit)
+    raise ValueError(f"{source}: neither a Mooncake (JSON lines) nor an Azure (CSV) trace")
+
+
 def _unique_prompt(
     namespace: str, index: int, length: int, block_tokens: int = MOONCAKE_BLOCK_TOKENS
 ) -> Prompt:
@@ -283,6 +298,18 @@ def with_poisson_arrivals(
         raise ValueError("rate must be positive")
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(requests))
     return [replace(r, arrival_s=float(t)) for r, t in zip(requests, np.cumsum(gaps), strict=True)]
+
+
+def with_bursty_arrivals(
+    requests: Sequence[WorkloadRequest], rate: float, burst_size: int = 8, seed: int = 0
+) -> list[WorkloadRequest]:
+    """Same requests, in order, arriving in groups of `burst_size` at one instant; the groups arrive as a
+    Poisson process, so the mean request rate is still `rate` (real traffic: a batch job, a retry storm)."""
+    if rate <= 0 or burst_size < 1:
+        raise ValueError("rate must be positive and burst_size at least 1")
+    groups = -(-len(requests) // burst_size)
+    starts = np.cumsum(np.random.default_rng(seed).exponential(burst_size / rate, groups))
+    return [replace(r, arrival_s=float(starts[i // burst_size])) for i, r in enumerate(requests)]
 
 
 def with_speedup(requests: Iterable[WorkloadRequest], factor: float) -> list[WorkloadRequest]:

@@ -1,4 +1,4 @@
-"""The `hetgate` command: serve, check-config, sim, demo, bench."""
+"""The `hetgate` command: serve, check-config, sim, demo, bench, plan."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ BENCHMARKS = {
     "index": ("bench.index_bench", "what the prefix index (memory, Redis) costs on the request path"),
     "cache": ("bench.cache_bench", "prefix-cache hit rate and TTFT per routing policy on the Mooncake trace"),
     "des": ("bench.des_bench", "speed of the discrete-event simulator (requests simulated per CPU second)"),
+    "policies": ("bench.policies", "policies x scenarios x rates: goodput, SLO capacity, fluid bound"),
 }
 
 CONFIG_ENV = "HETGATE_CONFIG"
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "bench", help=f"benchmarks: {', '.join(BENCHMARKS)} (hetgate bench --help)", add_help=False
     )
+    commands.add_parser(
+        "plan", help="recommend a role per backend for a trace (hetgate plan --help)", add_help=False
+    )
     return parser
 
 
@@ -146,11 +150,13 @@ def _bench(argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # sim, demo and bench own their flags: hand them the rest of the command line untouched.
+    # sim, demo, plan and bench own their flags: hand them the rest of the command line untouched.
     if argv and argv[0] == "sim":
         return _delegate("bench.sim.cli", argv[1:])
     if argv and argv[0] == "demo":
         return _delegate("bench.demo", argv[1:])
+    if argv and argv[0] == "plan":
+        return _delegate("bench.plan", argv[1:])
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)

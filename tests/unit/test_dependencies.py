@@ -23,6 +23,7 @@ OPTIONAL = {"uvloop"}
 EXTRA_FOR = {
     "bench/locustfile.py": "bench",  # `hetgate bench` load generation with locust
     "bench/seed_case.py": "bench",  # --plot draws with matplotlib
+    "bench/policies.py": "bench",  # --plot draws with matplotlib
 }
 OTHER_ENVIRONMENT = {"tests/e2e/build_tiny_model.py"}  # runs in the vLLM venv (torch, transformers)
 

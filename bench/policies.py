@@ -1,0 +1,669 @@
+"""`hetgate bench policies`: routing policies side by side, scenarios x policies x request rates.
+
+Every scenario is a workload on a cluster (a gateway config in configs/): the seed case; the shared traces
+(Mooncake, Azure conv, Azure code) and the synthetic shared-system-prompt, bursty and long multi-turn
+workloads on three mixed clusters (`amd`: the seed cluster, MI300X + 2x MI308X; `nvidia`: B200 + 2x H100;
+`cpx`: Rubin CPX prefill + 2x H100); any `--trace FILE` on every cluster. Each runs under each policy
+(round_robin, least_load, prefix, cost; disaggregation never and auto) at each request rate, in the
+discrete-event simulator (`bench/sim/des.py`, the real router built as the gateway builds it). `--http`
+replays a short check through the real gateway and `hetgate sim` backends instead (bench/policies_http.py).
+
+Rates default to a sweep from light load to past saturation: fractions of the cluster's fluid bound for
+that workload (bench/clusters.py). A request meets the SLO when its TTFT <= `--slo-ttft-s` and its TPOT
+<= `--slo-tpot-s`; by default 5x its prompt's unloaded TTFT and 3x the unloaded TPOT on the fastest backend.
+SLO capacity (DistServe's goodput) is the highest rate at which >= 90 % of requests meet it, interpolated
+linearly between the last swept rate that does and the first that does not.
+
+    hetgate bench policies [--quick] [--scenarios A,B] [--policies cost/auto,...]
+                           [--rates R1,R2 | --rate-fracs F1,F2] [--requests N] [--trace FILE]
+                           [--json FILE] [--plot FILE] [--jobs J] [--http [--target NAME=URL]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import workloads as w
+from bench.clusters import CLUSTERS, Cluster, FluidBound, fluid_bound, load_cluster
+from bench.sim.des import DesResult, Simulation
+from bench.sim.scheduler import SchedulerCore, StepOutput
+from scoring.cost import decode_step_time, prefill_time
+from scoring.types import Router
+
+POLICIES = tuple(
+    f"{p}/{d}" for p in ("round_robin", "least_load", "prefix", "cost") for d in ("never", "auto")
+)
+GOAL = 0.9  # share of requests that must meet the SLO at a rate within the SLO capacity
+# Fractions of the fluid bound's request rate. The bound assumes full decode batches, which a finite run
+# rarely reaches, so the grid is dense at the low end, where the policies part ways.
+RATE_FRACS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0, 1.3)
+QUICK_RATE_FRACS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.2)
+SYNTHETIC = ("sysprompt", "bursty", "multiturn")
+TRACES = ("mooncake", "azure-conv", "azure-code")
+QUICK_SCENARIOS = (
+    "seed",
+    "azure-conv@amd",
+    "azure-conv@nvidia",
+    "mooncake@cpx",
+    "sysprompt@amd",
+    "bursty@nvidia",
+)
+
+
+# --- scenarios ------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A workload on a cluster. `arrivals` says how a rate is applied: `poisson`, `bursty` (groups of
+    requests at one instant) or `trace` (the trace's own arrival pattern, compressed to the rate)."""
+
+    name: str
+    cluster: str
+    requests: tuple[w.WorkloadRequest, ...]
+    arrivals: str = "poisson"
+
+    def at_rate(self, rate: float, seed: int = 0) -> list[w.WorkloadRequest]:
+        if self.arrivals == "bursty":
+            return w.with_bursty_arrivals(self.requests, rate, burst_size=8, seed=seed)
+        start = min(r.arrival_s for r in self.requests)
+        duration = max(r.arrival_s for r in self.requests) - start
+        if self.arrivals == "trace" and duration > 0:
+            shifted = [replace(r, arrival_s=r.arrival_s - start) for r in self.requests]
+            return w.with_speedup(shifted, rate / (len(self.requests) / duration))
+        return w.with_poisson_arrivals(self.requests, rate, seed)
+
+
+def workload(kind: str, n: int, trace: str | None = None) -> tuple[list[w.WorkloadRequest], str]:
+    """The first `n` requests of a workload kind, and how its arrivals are applied."""
+    if kind == "seed":
+        return w.fixed_lengths(n, 16384, 128, name="seed"), "poisson"
+    if kind == "mooncake":
+        return w.mooncake_trace(limit=n), "trace"
+    if kind in ("azure-conv", "azure-code"):
+        return w.azure_trace(kind.split("-")[1], limit=n), "trace"
+    if kind == "sysprompt":
+        return w.shared_system_prompts(n, system_prompts=4, system_tokens=2048, user_tokens=256), "poisson"
+    if kind == "bursty":
+        return w.shared_system_prompts(
+            n, system_prompts=8, system_tokens=1024, user_tokens=512, seed=1
+        ), "bursty"
+    if kind == "multiturn":
+        turns = 8
+        return w.multi_turn_chats(max(1, n // turns), turns, think_time_s=20.0)[:n], "trace"
+    if kind == "trace" and trace:
+        return w.load_trace(trace, limit=n), "trace"
+    raise ValueError(f"unknown workload {kind!r}")
+
+
+def scenario_names(traces: Sequence[str] = ()) -> list[str]:
+    names = ["seed"]
+    for kind in (*TRACES, *SYNTHETIC):
+        names += [f"{kind}@{c}" for c in CLUSTERS]
+    for path in traces:
+        names += [f"trace:{path}@{c}" for c in CLUSTERS]
+    return names
+
+
+def build_scenario(name: str, n: int) -> Scenario:
+    if name == "seed":
+        requests, arrivals = workload("seed", n)
+        return Scenario(name, "amd", tuple(requests), arrivals)
+    kind, _, cluster = name.rpartition("@")
+    if cluster not in CLUSTERS:
+        raise ValueError(f"scenario {name!r}: cluster must be one of {', '.join(CLUSTERS)}")
+    trace = kind.removeprefix("trace:") if kind.startswith("trace:") else None
+    requests, arrivals = workload("trace" if trace else kind, n, trace)
+    return Scenario(name, cluster, tuple(requests), arrivals)
+
+
+@cache
+def cluster_named(name: str) -> Cluster:
+    return load_cluster(CLUSTERS[name], name)
+
+
+# --- SLO ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float | None = None  # None: relative to the prompt's unloaded figure (see `limits`)
+    tpot_s: float | None = None
+    ttft_factor: float = 5.0
+    tpot_factor: float = 3.0
+
+    def limits(
+        self, cluster: Cluster, requests: Sequence[w.WorkloadRequest]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per request: (TTFT limit, TPOT limit) in seconds. Unloaded = alone on an idle backend, no cache;
+        the fastest backend for each (prefill on a prefill backend, decode on a decode backend)."""
+        prompts = np.array([r.prompt_len for r in requests], dtype=float)
+        outputs = np.array([r.max_tokens for r in requests], dtype=float)
+        if self.ttft_s is not None and self.tpot_s is not None:
+            return np.full(len(requests), self.ttft_s), np.full(len(requests), self.tpot_s)
+        hw, model, eff = cluster.hardware(), cluster.model, cluster.efficiency
+        ttft = np.empty(len(requests))
+        tpot = np.empty(len(requests))
+        for k, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+            ttft[k] = float(np.min(prefill_time(model, hw, p, 0, eff)))
+            tpot[k] = float(np.min(decode_step_time(model, hw, 1, p + o / 2, eff)))
+        return (
+            np.full(len(requests), self.ttft_s) if self.ttft_s is not None else ttft * self.ttft_factor,
+            np.full(len(requests), self.tpot_s) if self.tpot_s is not None else tpot * self.tpot_factor,
+        )
+
+
+# --- one measured point ---------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Row:
+    scenario: str
+    cluster: str
+    mode: str  # des, http, or the name of an external router
+    rate: float
+    rate_frac: float  # rate over the fluid bound's request rate
+    policy: str
+    requests: int
+    completed: int
+    output_tok_per_s: float  # first arrival to last token (see `output_throughput`)
+    goodput_frac: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    tpot_p90_s: float
+    prefix_hit_rate: float
+    pd_share: float
+    utilisation: dict[str, float]
+    requests_per_backend: dict[str, int]
+    wall_s: float
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one request measured, the same whether it came from the DES or over HTTP."""
+
+    ok: bool
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    output_tokens: int
+    pd: bool
+    backends: tuple[str, ...]  # the backends that worked on it (prefill first for a split)
+
+
+def row_from(
+    scenario: Scenario,
+    mode: str,
+    rate: float,
+    bound: FluidBound,
+    policy: str,
+    outcomes: Sequence[Outcome],
+    limits: tuple[np.ndarray, np.ndarray],
+    extra: dict[str, Any],
+    backend_ids: Sequence[str],
+) -> Row:
+    """Aggregate per-request outcomes into a row; `extra` brings prefix_hit_rate, utilisation, wall_s."""
+    ok = [o for o in outcomes if o.ok]
+    ttft = np.array([o.first_token_s - o.arrival_s for o in ok]) if ok else np.array([np.inf])
+    tpot = np.array([_tpot(o) for o in ok]) if ok else np.array([np.inf])
+    meets = [
+        o.ok and o.first_token_s - o.arrival_s <= t_lim and (o.output_tokens < 2 or _tpot(o) <= p_lim)
+        for o, t_lim, p_lim in zip(outcomes, limits[0], limits[1], strict=True)
+    ]
+    per_backend: dict[str, int] = dict.fromkeys(backend_ids, 0)
+    for o in ok:
+        per_backend[o.backends[-1]] = per_backend.get(o.backends[-1], 0) + 1
+    tpot_ok = tpot[np.isfinite(tpot)]
+    return Row(
+        scenario=scenario.name,
+        cluster=scenario.cluster,
+        mode=mode,
+        rate=round(rate, 4),
+        rate_frac=round(rate / bound.requests_per_s, 3) if bound.requests_per_s else 0.0,
+        policy=policy,
+        requests=len(outcomes),
+        completed=len(ok),
+        output_tok_per_s=output_throughput(outcomes),
+        goodput_frac=sum(meets) / max(len(outcomes), 1),
+        ttft_p50_s=float(np.percentile(ttft, 50)),
+        ttft_p90_s=float(np.percentile(ttft, 90)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        tpot_p90_s=float(np.percentile(tpot_ok, 90)) if tpot_ok.size else 0.0,
+        pd_share=sum(o.pd for o in ok) / max(len(ok), 1),
+        requests_per_backend=per_backend,
+        **extra,
+    )
+
+
+def output_throughput(outcomes: Sequence[Outcome]) -> float:
+    """Output tokens of the completed requests over the run, first arrival to last token (as `vllm bench
+    serve` reports it). A finite run ends with a drain that lowers it; runs long enough to reach a steady
+    queue (`--requests`) bring it to the cluster's capacity past saturation."""
+    ok = [o for o in outcomes if o.ok]
+    if not ok:
+        return 0.0
+    start = min(o.arrival_s for o in outcomes)
+    end = max(o.finish_s for o in ok)
+    return sum(o.output_tokens for o in ok) / (end - start) if end > start else 0.0
+
+
+def _tpot(o: Outcome) -> float:
+    return (o.finish_s - o.first_token_s) / (o.output_tokens - 1) if o.output_tokens > 1 else float("nan")
+
+
+# --- discrete-event mode --------------------------------------------------------------------------------
+class _TimedCore(SchedulerCore):
+    """A simulated engine that adds up the time its steps take (its busy time, for utilisation)."""
+
+    def __init__(self, config: Any, timer: Any) -> None:
+        super().__init__(config, timer)
+        self.busy_s = 0.0
+
+    def step(self, now: float) -> StepOutput:
+        out = super().step(now)
+        if not out.idle:
+            self.busy_s += out.end_s - out.start_s
+        return out
+
+
+class _TimedSimulation(Simulation):
+    def _engine(self, backend: Any, hardware: Any) -> SchedulerCore:
+        core = super()._engine(backend, hardware)  # the engine as the simulator configures it, timed
+        return _TimedCore(core.config, core.timer)
+
+
+def make_router(cluster: Cluster, policy: str) -> Router:
+    """The router the gateway would build for this cluster's config with this policy."""
+    from gateway.app import build_routers
+
+    name, _, split = policy.partition("/")
+    routing = cluster.config.routing.model_copy(update={"policy": name, "disaggregation": split or "never"})
+    config = cluster.config.model_copy(update={"routing": routing})
+    return build_routers(config)[cluster.config.models[0].name]
+
+
+def run_des(scenario: Scenario, rate: float, policy: str, slo: Slo) -> Row:
+    cluster = cluster_named(scenario.cluster)
+    requests = scenario.at_rate(rate)
+    sim = _TimedSimulation(cluster.model, cluster.backends, make_router(cluster, policy), cluster.efficiency)
+    started = time.perf_counter()
+    result = sim.run(requests)
+    wall = time.perf_counter() - started
+    outcomes = [des_outcome(r) for r in result.records]
+    extra = {
+        "prefix_hit_rate": _hit_rate(result),
+        "utilisation": _utilisation(sim, result),
+        "wall_s": round(wall, 3),
+    }
+    bound = scenario_bound(scenario)
+    limits = slo.limits(cluster, scenario.requests)
+    return row_from(scenario, "des", rate, bound, policy, outcomes, limits, extra, cluster.ids)
+
+
+def des_outcome(r: Any) -> Outcome:
+    ok = not r.error and r.finish_s == r.finish_s
+    backends = (r.prefill_backend, r.backend) if r.prefill_backend else (r.backend,)
+    return Outcome(
+        ok, r.arrival_s, r.first_token_s, r.finish_s, r.output_tokens, bool(r.prefill_backend), backends
+    )
+
+
+def _hit_rate(result: DesResult) -> float:
+    """vLLM's prefix cache hit rate summed over the backends (a split request is looked up on both)."""
+    hits = sum(s["prefix_cache_hits"] for s in result.engine_stats.values())
+    queries = sum(s["prompt_tokens"] for s in result.engine_stats.values())
+    return hits / queries if queries else 0.0
+
+
+def _utilisation(sim: Simulation, result: DesResult) -> dict[str, float]:
+    """Per backend: the share of the run (first arrival to last token) its engine spent in steps."""
+    span = max(result.makespan_s, 1e-9)
+    busy = [core.busy_s if isinstance(core, _TimedCore) else 0.0 for core in sim.engines]
+    return {spec.id: round(b / span, 3) for spec, b in zip(sim.specs, busy, strict=True)}
+
+
+_BOUNDS: dict[tuple[str, int], FluidBound] = {}  # per process: (scenario, requests) -> its bound
+
+
+def scenario_bound(scenario: Scenario) -> FluidBound:
+    key = (scenario.name, len(scenario.requests))
+    if key not in _BOUNDS:
+        _BOUNDS[key] = fluid_bound(cluster_named(scenario.cluster), scenario.requests)
+    return _BOUNDS[key]
+
+
+# --- SLO capacity ---------------------------------------------------------------------------------------
+def slo_capacity(rows: Sequence[Row]) -> tuple[float, bool]:
+    """(capacity, censored): the highest rate with goodput >= GOAL, interpolated up to the first rate that
+    misses it; censored when even the highest rate swept meets it (the capacity is at least that). 0 when
+    the lowest rate already misses it (nothing below it was measured, so nothing is claimed)."""
+    points = sorted((r.rate, r.goodput_frac) for r in rows)
+    last_rate, last_good = 0.0, 1.0
+    for k, (rate, good) in enumerate(points):
+        if good < GOAL:
+            if k == 0:
+                return 0.0, False
+            share = (last_good - GOAL) / (last_good - good)
+            return last_rate + share * (rate - last_rate), False
+        last_rate, last_good = rate, good
+    return last_rate, True
+
+
+def capacities(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """SLO capacity per scenario x policy, with cost's ratios over round_robin and prefix (same split
+    setting, and best of both settings)."""
+    table: dict[tuple[str, str, str], tuple[float, bool]] = {}
+    for key in sorted({(r.scenario, r.mode, r.policy) for r in rows}):
+        table[key] = slo_capacity([r for r in rows if (r.scenario, r.mode, r.policy) == key])
+    out = []
+    for scenario, mode in sorted({(s, m) for s, m, _ in table}):
+        caps = {p: c for (s, m, p), c in table.items() if (s, m) == (scenario, mode)}
+        entry: dict[str, Any] = {
+            "scenario": scenario,
+            "mode": mode,
+            "capacity": {p: round(c, 4) for p, (c, _) in caps.items()},
+            "censored": sorted(p for p, (_, cen) in caps.items() if cen),
+        }
+        ratios: dict[str, float | None] = {}
+        for base in ("round_robin", "prefix"):
+            for split in ("never", "auto"):
+                ratios[f"cost/{base} ({split})"] = _ratio(caps, f"cost/{split}", f"{base}/{split}")
+            ratios[f"cost/{base} (best)"] = _best_ratio(caps, "cost", base)
+        entry["ratios"] = ratios
+        out.append(entry)
+    return out
+
+
+def _ratio(caps: dict[str, tuple[float, bool]], a: str, b: str) -> float | None:
+    if a not in caps or b not in caps:
+        return None
+    return _divide(caps[a][0], caps[b][0])
+
+
+def _best_ratio(caps: dict[str, tuple[float, bool]], a: str, b: str) -> float | None:
+    best_a = max((c for p, (c, _) in caps.items() if p.startswith(a + "/")), default=None)
+    best_b = max((c for p, (c, _) in caps.items() if p.startswith(b + "/")), default=None)
+    if best_a is None or best_b is None:
+        return None
+    return _divide(best_a, best_b)
+
+
+def _divide(a: float, b: float) -> float | None:
+    """a / b; infinite when only b is 0 (the baseline never met the SLO), None when both are."""
+    if b > 0:
+        return round(a / b, 3)
+    return math.inf if a > 0 else None
+
+
+# --- the sweep ------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Plan:
+    scenarios: list[str]
+    policies: list[str]
+    requests: int
+    rate_fracs: tuple[float, ...] = RATE_FRACS
+    rates: tuple[float, ...] = ()  # absolute rates, the same for every scenario (overrides rate_fracs)
+    slo: Slo = field(default_factory=Slo)
+
+
+def rates_for(plan: Plan, scenario: Scenario) -> list[float]:
+    if plan.rates:
+        return list(plan.rates)
+    peak = scenario_bound(scenario).requests_per_s
+    return [round(peak * f, 4) for f in plan.rate_fracs]
+
+
+def _job(args: tuple[str, int, float, str, Slo]) -> Row:
+    name, n, rate, policy, slo = args
+    return run_des(get_scenario(name, n), rate, policy, slo)
+
+
+@cache
+def get_scenario(name: str, n: int) -> Scenario:
+    return build_scenario(name, n)
+
+
+def sweep(plan: Plan, jobs: int = 1, progress: Callable[[Row], None] | None = None) -> list[Row]:
+    tasks = []
+    for name in plan.scenarios:
+        scenario = get_scenario(name, plan.requests)
+        for rate in rates_for(plan, scenario):
+            tasks += [(name, plan.requests, rate, policy, plan.slo) for policy in plan.policies]
+    rows: list[Row] = []
+    if jobs <= 1:
+        for task in tasks:
+            rows.append(_job(task))
+            if progress:
+                progress(rows[-1])
+        return rows
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for row in pool.map(_job, tasks, chunksize=1):
+            rows.append(row)
+            if progress:
+                progress(row)
+    return rows
+
+
+def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
+    bounds = {}
+    for name in plan.scenarios:
+        b = scenario_bound(get_scenario(name, plan.requests))
+        bounds[name] = {
+            "requests_per_s": round(b.requests_per_s, 4),
+            "output_tok_per_s": round(b.output_tok_per_s, 2),
+        }
+    return {
+        "plan": {
+            "scenarios": plan.scenarios,
+            "policies": plan.policies,
+            "requests": plan.requests,
+            "rate_fracs": list(plan.rate_fracs),
+            "rates": list(plan.rates),
+            "slo": asdict(plan.slo),
+            "goal": GOAL,
+        },
+        "fluid_bound": bounds,
+        "rows": [asdict(r) for r in rows],
+        "capacity": capacities(rows),
+    }
+
+
+# --- output ---------------------------------------------------------------------------------------------
+def print_report(data: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    rows = data["rows"]
+    table = Table(title="policies: one row per scenario x rate x policy", show_lines=False)
+    columns = "scenario mode rate xbound policy tok/s bound goodput ttft_p50 p90 p99 tpot_p90 hit pd util"
+    for col in columns.split():
+        table.add_column(col, justify="left" if col in ("scenario", "policy", "mode", "util") else "right")
+    for r in rows:
+        bound = data["fluid_bound"][r["scenario"]]["output_tok_per_s"]
+        util = " ".join(f"{v:.2f}" for v in r["utilisation"].values())
+        table.add_row(
+            r["scenario"], r["mode"], f"{r['rate']:.3g}", f"{r['rate_frac']:.2f}", r["policy"],
+            f"{r['output_tok_per_s']:.0f}", f"{bound:.0f}", f"{r['goodput_frac']:.2f}",
+            f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p90_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
+            f"{r['tpot_p90_s'] * 1000:.0f}ms", f"{r['prefix_hit_rate']:.2f}", f"{r['pd_share']:.2f}", util,
+        )  # fmt: skip
+    console.print(table)
+    cap = Table(
+        title=f"SLO capacity (requests/s at which >= {GOAL:.0%} meet the SLO; * = at least, never missed)"
+    )
+    policies = data["plan"]["policies"]
+    cap.add_column("scenario")
+    cap.add_column("mode")
+    for p in policies:
+        cap.add_column(p, justify="right")
+    cap.add_column("cost/rr best", justify="right")
+    cap.add_column("cost/prefix best", justify="right")
+    for entry in data["capacity"]:
+        cells = [
+            f"{entry['capacity'].get(p, float('nan')):.3g}{'*' if p in entry['censored'] else ''}"
+            for p in policies
+        ]
+        ratios = entry["ratios"]
+        cap.add_row(
+            entry["scenario"], entry["mode"], *cells,
+            _fmt(ratios.get("cost/round_robin (best)")), _fmt(ratios.get("cost/prefix (best)")),
+        )  # fmt: skip
+    console.print(cap)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def plot(data: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["scenario"], r["mode"]) for r in data["rows"]})
+    cols = min(3, len(groups))
+    nrows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.4 * nrows), squeeze=False)
+    for ax, (scenario, mode) in zip(axes.flat, groups, strict=False):
+        for policy in data["plan"]["policies"]:
+            pts = sorted(
+                (r["rate"], r["goodput_frac"])
+                for r in data["rows"]
+                if (r["scenario"], r["mode"], r["policy"]) == (scenario, mode, policy)
+            )
+            if pts:
+                style = "--" if policy.endswith("/auto") else "-"
+                ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=policy)
+        ax.axhline(GOAL, color="grey", lw=0.8)
+        ax.set_title(f"{scenario} ({mode})", fontsize=9)
+        ax.set_xlabel("requests/s")
+        ax.set_ylabel("share meeting the SLO")
+        ax.set_ylim(0, 1.05)
+    for ax in list(axes.flat)[len(groups) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --- command line ---------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hetgate bench policies", description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--quick", action="store_true", help="a CI-sized subset (6 scenarios, 6 rates, 50 requests)")
+    add("--scenarios", default=None, help="comma-separated names (default: all; see --list)")
+    add("--list", action="store_true", help="print the scenario names and exit")
+    add("--policies", default=",".join(POLICIES), help="comma-separated policy/disaggregation pairs")
+    add("--rates", default=None, help="comma-separated absolute rates (requests/s) for every scenario")
+    add("--rate-fracs", default=None, help="comma-separated fractions of each scenario's fluid bound")
+    add("--requests", type=int, default=None, help="requests per point (default 300; --quick 50)")
+    add(
+        "--trace",
+        action="append",
+        default=[],
+        help="a Mooncake or Azure trace file, replayed on every cluster",
+    )
+    add("--slo-ttft-s", type=float, default=None, help="TTFT limit (default: 5x the prompt's unloaded TTFT)")
+    add("--slo-tpot-s", type=float, default=None, help="TPOT limit (default: 3x the unloaded TPOT)")
+    add("--json", default=None, help="write rows, capacities and bounds to this file")
+    add("--plot", default=None, help="draw goodput vs rate per policy (PNG)")
+    add("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel simulator processes")
+    add(
+        "--http",
+        action="store_true",
+        help="also through the real gateway and `hetgate sim` backends, compared with the DES "
+        "(default: seed case, 12 requests, 0.3x the bound)",
+    )
+    add("--time-scale", type=float, default=1.0, help="--http: simulated seconds per wall second")
+    add("--target", action="append", default=[], help="--http: NAME=URL of an external router to compare")
+    add("--quiet", action="store_true", help="no progress lines")
+    return parser.parse_args(list(argv))
+
+
+def plan_from(args: argparse.Namespace) -> Plan:
+    fracs: tuple[float, ...]
+    if args.http and not args.quick:  # real processes in real time: a short check, not a sweep
+        scenarios, requests, fracs = ["seed"], args.requests or 12, (0.3,)
+    elif args.quick:
+        scenarios = list(QUICK_SCENARIOS) + [f"trace:{t}@amd" for t in args.trace]
+        requests, fracs = args.requests or 50, QUICK_RATE_FRACS
+    else:
+        scenarios, requests, fracs = scenario_names(args.trace), args.requests or 300, RATE_FRACS
+    if args.scenarios:
+        scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    known = set(scenario_names(args.trace))
+    unknown = [s for s in scenarios if s not in known and not s.startswith("trace:")]
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {', '.join(unknown)}; try --list")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise SystemExit(f"unknown policy {', '.join(bad)}; choose from {', '.join(POLICIES)}")
+    if args.rate_fracs:
+        fracs = tuple(float(x) for x in args.rate_fracs.split(","))
+    rates = tuple(float(x) for x in args.rates.split(",")) if args.rates else ()
+    slo = Slo(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s)
+    return Plan(scenarios, policies, requests, fracs, rates, slo)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.list:
+        print("\n".join(scenario_names(args.trace)))
+        return 0
+    plan = plan_from(args)
+    started = time.perf_counter()
+
+    def progress(row: Row) -> None:
+        if not args.quiet:
+            print(
+                f"  {row.scenario:<22} {row.policy:<18} rate {row.rate:8.3g} ({row.rate_frac:.2f}x bound): "
+                f"{row.output_tok_per_s:9.1f} tok/s, goodput {row.goodput_frac:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    agreements: list[dict[str, Any]] = []
+    if args.http:
+        from bench.policies_http import agreement, http_sweep
+
+        rows = http_sweep(plan, args.time_scale, args.target, progress)
+        des = sweep(plan, args.jobs, progress)  # the same points in the simulator, to compare
+        by_point = {(r.scenario, r.rate, r.policy): r for r in des}
+        for h in rows:
+            d = by_point.get((h.scenario, h.rate, h.policy))
+            if d is not None:
+                point = {"scenario": h.scenario, "rate": h.rate, "policy": h.policy}
+                agreements.append({**point, **agreement(d, h)})
+        rows += des
+    else:
+        rows = sweep(plan, args.jobs, progress)
+    data = report(plan, rows)
+    if agreements:
+        data["http_vs_des"] = agreements
+    data["wall_s"] = round(time.perf_counter() - started, 1)
+    print_report(data)
+    for a in agreements:
+        figures = ", ".join(f"{k} {v:.1%}" for k, v in a.items() if isinstance(v, float) and k != "rate")
+        print(f"HTTP vs DES, {a['scenario']} {a['policy']} at {a['rate']:.3g}/s: {figures}")
+    print(f"{len(rows)} rows in {data['wall_s']} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    if args.plot:
+        plot(data, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

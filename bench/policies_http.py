@@ -1,0 +1,259 @@
+"""HTTP mode of `hetgate bench policies`: the same scenarios through real processes on loopback.
+
+Each (scenario, rate, policy) point starts one `hetgate sim --engine cost` per backend of the cluster (timed
+by the same roofline as the discrete-event mode, `--time-scale` simulated seconds per wall second), a real
+`hetgate serve` with that policy in front, and replays the scenario's requests at their arrival times as
+streamed /v1/completions with token-id prompts (exact prompt lengths). Times are reported in simulated
+seconds, so a row is comparable with the DES row of the same point. `--target NAME=URL` sends the same load
+to an external OpenAI-compatible router instead of hetgate: configure it with the backends' URLs from the
+cluster's config file (the sims listen on those ports when a target is given). Fresh processes per point,
+so no cache or learnt correction carries over from one point to the next.
+
+Utilisation is not measured over HTTP (the sims do not export busy time); `utilisation` is empty there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+import numpy as np
+
+from bench.clusters import Cluster
+from bench.harness import GatewayProcess
+from bench.policies import (
+    Outcome,
+    Plan,
+    Row,
+    Scenario,
+    Slo,
+    cluster_named,
+    get_scenario,
+    rates_for,
+    row_from,
+    scenario_bound,
+)
+from bench.sim.server import SimProcess
+from bench.workloads import WorkloadRequest
+
+_ROUTE = re.compile(r"(prefill|decode|backend)=([^;\s]+)")
+
+
+def sim_args(cluster: Cluster, index: int, time_scale: float, port: int | None) -> list[str]:
+    backend = cluster.config.backends[index]
+    roles = {r.value for r in backend.roles}
+    role = "both" if roles == {"prefill", "decode"} else roles.pop()
+    eff = cluster.efficiency
+    args = [
+        "--model", cluster.config.models[0].name, "--cost-model", cluster.model.name, "--engine", "cost",
+        "--accelerator", backend.accelerator, "--gpus", str(backend.gpus), "--role", role,
+        "--time-scale", str(time_scale), "--block-size", str(backend.block_size),
+        "--max-num-seqs", str(backend.max_num_seqs), "--enable-prompt-tokens-details",
+        "--max-model-len", "131072", "--efficiency", json.dumps({"mfu": eff.mfu, "bw_util": eff.bw_util}),
+    ]  # fmt: skip
+    return args + (["--port", str(port)] if port else [])
+
+
+def gateway_config(cluster: Cluster, urls: Sequence[str], policy: str) -> dict[str, Any]:
+    name, _, split = policy.partition("/")
+    config = cluster.config.model_dump(mode="json", exclude_none=True)
+    for backend, url in zip(config["backends"], urls, strict=True):
+        backend["url"] = url
+    config["routing"] = {**config["routing"], "policy": name, "disaggregation": split or "never"}
+    config["health"] = {"interval_s": 0.5, "metrics_interval_s": 0.25}
+    config["timeouts"] = {"connect_s": 2.0, "ttfb_s": 600.0, "idle_s": 600.0}
+    return config
+
+
+async def replay(
+    url: str, model: str, requests: Sequence[WorkloadRequest], time_scale: float, text: bool = False
+) -> list[Outcome]:
+    """Send each request at its arrival time (scaled to wall time); times come back in simulated seconds.
+    Prompts go as token ids (exact lengths), or as text (`text`: for routers that take no token ids,
+    such as sglang-router; the simulator's tokenizer reads about one token per word)."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter() + 0.2
+        tasks = [
+            _one(session, url, model, r, r.text() if text else r.token_ids(), start, time_scale)
+            for r in requests
+        ]
+        return list(await asyncio.gather(*tasks))
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    r: WorkloadRequest,
+    prompt: str | list[int],
+    start: float,
+    scale: float,
+) -> Outcome:
+    await asyncio.sleep(max(0.0, start + r.arrival_s / scale - time.perf_counter()))
+    sent = time.perf_counter()
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": r.max_tokens, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }  # fmt: skip
+    first = finish = 0.0
+    tokens = 0
+    route = ""
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            route = response.headers.get("x-hetgate-route", "")
+            chunks = 0  # text chunks: the token count when a router drops the usage chunk (sglang-router)
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.perf_counter()
+                event = json.loads(line[6:])
+                if any(c.get("text") for c in event.get("choices") or ()):
+                    first = first or now
+                    chunks += 1
+                finish = now
+                usage = event.get("usage") or {}
+                tokens = int(usage.get("completion_tokens") or tokens)
+            tokens = tokens or chunks
+            ok = response.status == 200 and tokens > 0
+    except (TimeoutError, aiohttp.ClientError):
+        ok = False
+    fields = dict(_ROUTE.findall(route))
+    backends = tuple(fields[k] for k in ("prefill", "decode", "backend") if k in fields) or ("?",)
+    to_sim = lambda t: (t - start) * scale  # noqa: E731
+    return Outcome(ok, to_sim(sent), to_sim(first), to_sim(finish), tokens, "mode=pd" in route, backends)
+
+
+async def _wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    """An external router may find its workers only after they start: wait until its /v1/models answers
+    with anything but a server error (a 503 says it has no worker yet; a bare proxy may say 405)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with session.get(f"{url}/v1/models") as response:
+                    if response.status < 500:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer /v1/models within {timeout_s:.0f} s")
+
+
+async def _scrape(urls: Sequence[str]) -> tuple[float, float, list[int]]:
+    """Prefix cache (hits, queries) summed over the sims' /metrics, and each sim's finished requests."""
+    hits = queries = 0.0
+    finished = []
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            async with session.get(f"{url}/metrics") as response:
+                text = await response.text()
+            hits += _counter(text, "vllm:prefix_cache_hits_total")
+            queries += _counter(text, "vllm:prefix_cache_queries_total")
+            finished.append(int(_counter(text, "vllm:request_success_total")))
+    return hits, queries, finished
+
+
+def _counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def run_http(
+    scenario: Scenario,
+    rate: float,
+    policy: str,
+    slo: Slo,
+    time_scale: float,
+    target: tuple[str, str] | None = None,
+    sim_ports: Sequence[int] | None = None,
+    text_prompts: bool = False,
+) -> Row:
+    """One point over HTTP: hetgate with `policy`, or the external router `target` = (name, url). The sims
+    listen on `sim_ports`; by default on free ports, or with a target on the ports of the config's URLs."""
+    cluster = cluster_named(scenario.cluster)
+    requests = scenario.at_rate(rate)
+    model = cluster.config.models[0].name
+    ports: list[int | None] = [None] * len(cluster.ids)
+    if sim_ports is not None:
+        ports = list(sim_ports)
+    elif target is not None:
+        ports = [urlparse(b.base_url).port for b in cluster.config.backends]
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        sims = [
+            SimProcess(sim_args(cluster, k, time_scale, port), startup_timeout_s=90)
+            for k, port in enumerate(ports)
+        ]
+        for sim in sims:
+            stack.callback(sim.stop)
+        with ThreadPoolExecutor(
+            len(sims)
+        ) as pool:  # each start waits for its ready line: wait for all at once
+            list(pool.map(SimProcess.start, sims))
+        urls = [s.url for s in sims]
+        if target is None:
+            gateway = stack.enter_context(GatewayProcess(gateway_config(cluster, urls, policy)))
+            front = gateway.url
+        else:
+            front = target[1].rstrip("/")
+            asyncio.run(_wait_ready(front))
+        outcomes = asyncio.run(replay(front, model, requests, time_scale, text_prompts))
+        hits, queries, finished = asyncio.run(_scrape(urls))
+    extra = {
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "utilisation": {},
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+    mode, label = ("http", policy) if target is None else (f"target:{target[0]}", f"target:{target[0]}")
+    limits = slo.limits(cluster, scenario.requests)
+    bound = scenario_bound(scenario)
+    row = row_from(scenario, mode, rate, bound, label, outcomes, limits, extra, cluster.ids)
+    if "?" in row.requests_per_backend:  # an external router names no backend: count what each sim finished
+        # (a split request finishes on both sides; a router that splits is counted on both)
+        row.requests_per_backend = dict(zip(cluster.ids, finished, strict=True))
+    return row
+
+
+def parse_targets(specs: Sequence[str]) -> list[tuple[str, str]]:
+    out = []
+    for spec in specs:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise SystemExit(f"--target wants NAME=URL (http...), not {spec!r}")
+        out.append((name, url))
+    return out
+
+
+def http_sweep(
+    plan: Plan, time_scale: float, targets: Sequence[str], progress: Callable[[Row], None] | None = None
+) -> list[Row]:
+    external = parse_targets(targets)
+    rows: list[Row] = []
+    for name in plan.scenarios:
+        scenario = get_scenario(name, plan.requests)
+        for rate in rates_for(plan, scenario):
+            points: list[tuple[str, tuple[str, str] | None]] = [(p, None) for p in plan.policies]
+            points += [(f"target:{t[0]}", t) for t in external]
+            for policy, target in points:
+                # With an external router in the run, every row sends text: the same prompts for all.
+                text = bool(external)
+                rows.append(run_http(scenario, rate, policy, plan.slo, time_scale, target, text_prompts=text))
+                if progress:
+                    progress(rows[-1])
+    return rows
+
+
+def agreement(des: Row, http: Row) -> dict[str, float]:
+    """Relative differences |http - des| / des of the figures both modes measure."""
+    out = {}
+    for key in ("output_tok_per_s", "ttft_p50_s", "ttft_p90_s", "tpot_p90_s", "goodput_frac"):
+        a, b = float(getattr(des, key)), float(getattr(http, key))
+        out[key] = abs(b - a) / abs(a) if a else float(np.inf if b else 0.0)
+    return out

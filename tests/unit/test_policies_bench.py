@@ -1,0 +1,203 @@
+"""`hetgate bench policies` and `hetgate plan`: rows, invariants, SLO capacity, fluid bound, planner."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import policies as pb
+from bench import workloads as w
+from bench.clusters import CLUSTERS, fluid_bound, load_cluster, new_tokens
+from bench.plan import ROLE_CHOICES, assess, recommend
+from bench.plan import main as plan_main
+from gateway.cli import main as cli_main
+from scoring.types import Role
+
+TRACES = w.traces_dir()
+ROW_FIELDS = [
+    "scenario", "rate", "policy", "output_tok_per_s", "goodput_frac", "ttft_p50_s", "ttft_p90_s",
+    "ttft_p99_s", "tpot_p90_s", "prefix_hit_rate", "pd_share", "utilisation",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quick_rows() -> tuple[pb.Plan, list[pb.Row]]:
+    plan = pb.Plan(
+        scenarios=["seed", "sysprompt@nvidia"],
+        policies=["round_robin/never", "least_load/never", "cost/auto"],
+        requests=30,
+        rate_fracs=(0.1, 0.5, 1.3),
+    )
+    return plan, pb.sweep(plan, jobs=1)
+
+
+def test_quick_sweep_gives_one_full_row_per_point(quick_rows: tuple[pb.Plan, list[pb.Row]]) -> None:
+    _, rows = quick_rows
+    assert len(rows) == 2 * 3 * 3
+    for row in rows:
+        data = asdict(row)
+        assert all(key in data for key in ROW_FIELDS)
+        assert 0.0 <= row.goodput_frac <= 1.0
+        assert row.completed == row.requests == 30
+        assert row.ttft_p50_s <= row.ttft_p90_s <= row.ttft_p99_s
+        assert 0.0 <= row.prefix_hit_rate <= 1.0 and 0.0 <= row.pd_share <= 1.0
+        assert set(row.utilisation) == set(pb.cluster_named(row.cluster).ids)
+        assert all(0.0 <= u <= 1.0 for u in row.utilisation.values())
+        if row.policy.endswith("/never"):
+            assert row.pd_share == 0.0
+
+
+def test_throughput_never_beats_the_fluid_bound(quick_rows: tuple[pb.Plan, list[pb.Row]]) -> None:
+    plan, rows = quick_rows
+    for row in rows:
+        bound = pb.scenario_bound(pb.get_scenario(row.scenario, plan.requests))
+        assert row.output_tok_per_s <= bound.output_tok_per_s * 1.05, row
+
+
+def test_round_robin_spreads_requests_evenly(quick_rows: tuple[pb.Plan, list[pb.Row]]) -> None:
+    _, rows = quick_rows
+    for row in rows:
+        if row.policy == "round_robin/never":
+            assert sorted(row.requests_per_backend.values()) == [10, 10, 10]
+
+
+def test_past_saturation_the_load_shows_in_latency(quick_rows: tuple[pb.Plan, list[pb.Row]]) -> None:
+    _, rows = quick_rows
+    for policy in ("round_robin/never", "cost/auto"):
+        light, heavy = (
+            next(r for r in rows if r.scenario == "seed" and r.policy == policy and r.rate_frac == f)
+            for f in (0.1, 1.3)
+        )
+        assert heavy.ttft_p90_s > light.ttft_p90_s
+        assert heavy.output_tok_per_s > light.output_tok_per_s
+
+
+def test_report_has_capacities_ratios_and_bounds(
+    quick_rows: tuple[pb.Plan, list[pb.Row]], tmp_path: Path
+) -> None:
+    plan, rows = quick_rows
+    data = pb.report(plan, rows)
+    assert set(data["fluid_bound"]) == {"seed", "sysprompt@nvidia"}
+    entry = next(e for e in data["capacity"] if e["scenario"] == "seed")
+    assert set(entry["capacity"]) == set(plan.policies)
+    assert "cost/round_robin (best)" in entry["ratios"]
+    pb.plot(data, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def _row(rate: float, good: float) -> pb.Row:
+    return pb.Row("s", "amd", "des", rate, 0.0, "p", 1, 1, 0.0, good, 0, 0, 0, 0, 0, 0, {}, {}, 0.0)
+
+
+def test_slo_capacity_interpolates_to_the_first_miss() -> None:
+    capacity, censored = pb.slo_capacity([_row(3, 0.5), _row(1, 1.0), _row(2, 0.95)])
+    assert capacity == pytest.approx(2 + 0.05 / 0.45) and not censored
+    assert pb.slo_capacity([_row(1, 1.0), _row(2, 0.92)]) == (2, True)
+    assert pb.slo_capacity([_row(1, 0.5), _row(2, 0.95)]) == (0.0, False)
+
+
+def test_default_slo_is_relative_to_the_fastest_backend() -> None:
+    cluster = pb.cluster_named("amd")
+    requests = w.fixed_lengths(2, 16384, 128) + w.fixed_lengths(1, 1024, 128, name="short")
+    ttft, tpot = pb.Slo().limits(cluster, requests)
+    assert ttft[0] == ttft[1] and ttft[2] < ttft[0] / 5  # shorter prompt, tighter limit
+    assert np.all(tpot > 0)
+    fixed = pb.Slo(ttft_s=2.0, tpot_s=0.05).limits(cluster, requests)
+    assert list(fixed[0]) == [2.0] * 3 and list(fixed[1]) == [0.05] * 3
+
+
+def test_ideal_cache_counts_only_blocks_an_earlier_request_had() -> None:
+    requests = w.shared_system_prompts(20, system_prompts=1, system_tokens=2048, user_tokens=256)
+    new, cached = new_tokens(requests)
+    assert cached[0] == 0 and new[0] == requests[0].prompt_len
+    assert np.all(cached[1:] == 2048)
+
+
+def test_fluid_bound_respects_roles_and_never_shrinks_with_more_roles() -> None:
+    cluster = load_cluster(CLUSTERS["amd"], "amd")
+    requests = w.fixed_lengths(20, 16384, 128)
+    as_configured = fluid_bound(cluster, requests)
+    # seed-case.yaml: the MI308X servers only decode, but prefill what they serve whole; a strict P/D
+    # split (MI300X prefill only) can do no better.
+    pure = [ROLE_CHOICES["prefill"], ROLE_CHOICES["decode"], ROLE_CHOICES["decode"]]
+    strict = fluid_bound(cluster.with_roles(pure), requests)
+    assert 0 < strict.requests_per_s <= as_configured.requests_per_s
+    assert strict.decode_share["mi300x-0"] == 0.0
+    both = ROLE_CHOICES["both"]
+    everything = fluid_bound(cluster.with_roles([both] * 3), requests)
+    assert everything.requests_per_s >= as_configured.requests_per_s
+    decode_only = fluid_bound(cluster.with_roles([ROLE_CHOICES["decode"]] * 3), requests)
+    assert 0 < decode_only.requests_per_s <= everything.requests_per_s  # each serves whole requests
+    no_decode = cluster.with_roles([ROLE_CHOICES["prefill"]] * 3)
+    assert fluid_bound(no_decode, requests).requests_per_s == 0.0
+
+
+def test_bursty_arrivals_come_in_groups_at_the_mean_rate() -> None:
+    requests = w.with_bursty_arrivals(w.fixed_lengths(800, 64, 4), rate=10.0, burst_size=8, seed=3)
+    arrivals = np.array([r.arrival_s for r in requests])
+    groups = arrivals.reshape(-1, 8)
+    assert np.all(groups == groups[:, :1])
+    assert len(np.unique(arrivals)) == 100
+    assert 800 / arrivals[-1] == pytest.approx(10.0, rel=0.25)
+
+
+def test_load_trace_tells_the_formats_apart(tmp_path: Path) -> None:
+    mooncake = w.load_trace(TRACES / "mooncake_synthetic_trace.jsonl", limit=5)
+    assert mooncake[0].prompt_len == 40160
+    azure = w.load_trace(TRACES / "azure_llm_2023_conv.csv", limit=5)
+    assert azure[0].prompt_len == 374 and azure[0].max_tokens == 44
+    other = tmp_path / "x.txt"
+    other.write_text("hello\n")
+    with pytest.raises(ValueError):
+        w.load_trace(other)
+
+
+def test_trace_scenarios_keep_the_trace_shape_at_the_rate() -> None:
+    scenario = pb.build_scenario("azure-code@nvidia", 200)
+    replayed = scenario.at_rate(20.0)
+    span = replayed[-1].arrival_s - replayed[0].arrival_s
+    assert len(replayed) / span == pytest.approx(20.0, rel=0.05)
+    original = [r.arrival_s for r in scenario.requests]
+    trace_rate = len(original) / (original[-1] - original[0])
+    assert np.allclose(np.diff([r.arrival_s for r in replayed]), np.diff(original) * trace_rate / 20.0)
+
+
+def test_scenario_names_cover_every_trace_on_every_cluster(tmp_path: Path) -> None:
+    names = pb.scenario_names([str(tmp_path / "t.jsonl")])
+    for kind in ("mooncake", "azure-conv", "azure-code", "sysprompt", "bursty", "multiturn"):
+        assert {f"{kind}@{c}" for c in CLUSTERS} <= set(names)
+    assert {f"trace:{tmp_path / 't.jsonl'}@{c}" for c in CLUSTERS} <= set(names)
+
+
+def test_plan_recommends_the_mi300x_for_prefill_on_the_seed_cluster() -> None:
+    cluster = load_cluster(CLUSTERS["amd"], "amd")
+    requests = w.mooncake_trace(limit=40)
+    assessed = assess(cluster, requests, "cost/auto", pb.Slo(), top=2, fracs=(0.1, 0.4))
+    best = recommend(assessed)
+    assert best.simulated
+    assert Role.PREFILL in ROLE_CHOICES[best.roles["mi300x-0"]]
+    assert best.throughput_output_tok_per_s <= best.bound_output_tok_per_s * 1.05
+    assert any(a.current and a.simulated for a in assessed)  # the config's own roles are tried too
+
+
+def test_plan_command_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    trace = str(TRACES / "azure_llm_2023_code.csv")
+    code = plan_main(["--config", str(CLUSTERS["nvidia"]), "--trace", trace, "--requests", "40", "--top", "1",
+                      "--json", str(out)])  # fmt: skip
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert set(data["recommended"]["roles"]) == {"b200-0", "h100-0", "h100-1"}
+    assert "recommended roles" in capsys.readouterr().out
+
+
+def test_cli_registers_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["bench", "policies", "--list"]) == 0
+    assert "azure-conv@cpx" in capsys.readouterr().out
+    assert cli_main(["plan", "--config", "missing.yaml", "--trace", "missing.csv"]) == 2
+    with pytest.raises(SystemExit):
+        pb.plan_from(pb.parse_args(["--scenarios", "nope@amd"]))
