@@ -349,3 +349,30 @@ def test_same_decisions_as_serve(sim, epp, envoy, gateway):
     via_epp = [served_by(post(proxy.url, chat_body(p))) for p in prompts]
     assert via_epp == via_serve
     assert len(set(via_serve)) > 1  # a real choice was made, not one backend for all
+
+
+# -- health -------------------------------------------------------------------------------------------------
+
+
+def health_of(port: int, service: str) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+
+
+def test_grpc_health_follows_the_backends(sim, epp):
+    from grpc_health.v1 import health_pb2
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    server = sim()
+    picker = epp(config([backend(server, "b0")]))
+    services = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+    assert [health_of(picker.grpc_port, s) for s in services] == [serving] * 3
+    server.stop()
+    deadline = time.monotonic() + 10
+    while health_of(picker.grpc_port, "readiness") == serving and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [health_of(picker.grpc_port, s) for s in services] == [serving, not_serving, not_serving]
