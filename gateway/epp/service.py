@@ -60,6 +60,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             async for message in request_iterator:
                 for response in await turn.on(message):
                     yield response
+        except Exception:
+            # The stream fails; Envoy applies its failure mode (500, or routing without a pick).
+            log.exception("ext_proc stream failed")
+            raise
         finally:
             turn.close()
 
