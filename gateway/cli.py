@@ -78,7 +78,10 @@ def _epp(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper())
     config = read_config(args.config)
     listen = Listen(args.host, args.grpc_port, args.metrics_port)
-    asyncio.run(run(config, listen, PickerSettings(args.shed_at, args.max_endpoints)))
+    every = args.calibrate_every
+    if every is None:  # only the cost policy learns from measured TTFT
+        every = 16 if config.routing.policy == "cost" else 0
+    asyncio.run(run(config, listen, PickerSettings(args.shed_at, args.max_endpoints, every)))
     return 0
 
 
@@ -119,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     epp.add_argument(
         "--max-endpoints", type=int, default=0, help="endpoints per answer (0: all; 1 for ORIGINAL_DST)"
+    )
+    epp.add_argument(
+        "--calibrate-every", type=int, default=None, help="time 1 streamed reply in N (default: 16 for cost)"
     )
     epp.add_argument("--log-level", default="warning")
     epp.set_defaults(run=_epp)

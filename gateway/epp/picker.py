@@ -23,6 +23,7 @@ import numpy as np
 import orjson
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from prometheus_client import Counter
 
 from gateway.config import GatewayConfig
 from gateway.decision import Decider, Decision
@@ -51,6 +52,9 @@ class Shed(GatewayError):
 class PickerSettings:
     shed_at: float | None = None  # shed when even the least busy backend's load/capacity reaches this
     max_endpoints: int = 0  # endpoints in the answer (0: all ranked; 1 for proxies without fallbacks)
+    # One streamed reply in this many has its first chunk sent to the EPP, to measure TTFT for the cost
+    # model; 0: never. Each sampled chunk costs a gRPC round trip, so it stays a sample.
+    calibrate_every: int = 0
 
 
 def endpoint_of(backend: BackendState) -> str:
@@ -76,7 +80,21 @@ class Picker:
         self.prefill = prefill
         self.metrics = metrics
         self.settings = settings
+        self.calibrations = Counter(
+            "hetgate:epp_ttft_samples",
+            "Streamed replies whose first chunk the EPP timed for the cost model",
+            ["backend"],
+            registry=metrics.registry,
+        )
         self.by_endpoint = {endpoint_of(b): b for b in registry.backends.values()}
+        self._streams = 0
+
+    def sample_stream(self) -> bool:
+        every = self.settings.calibrate_every
+        if not every:
+            return False
+        self._streams += 1
+        return self._streams % every == 0
 
     def endpoints(self, order: list[BackendState]) -> str:
         limit = self.settings.max_endpoints or len(order)
@@ -97,6 +115,7 @@ class Turn:
         self.prefilled: BackendState | None = None
         self.mode = "aggregated"
         self.note = ""
+        self.timing: BackendState | None = None  # sampled stream: the backend whose first chunk we await
 
     async def on(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request")
@@ -110,6 +129,7 @@ class Turn:
         if kind == "response_headers":
             return [self._on_response(message)]
         if kind == "response_body":
+            self._first_chunk()
             return [protocol.pass_response_body()]
         if kind == "response_trailers":
             return [protocol.pass_response_trailers()]
@@ -245,7 +265,33 @@ class Turn:
         if decision is not None and backend is not None:
             self._served(decision, backend, headers.get(":status", b"200"))
         route = self._route_text(backend) if self.picker.config.routing.route_header else None
-        return protocol.response_headers(route, strip_served=protocol.SERVED in headers)
+        reply = protocol.response_headers(route, strip_served=protocol.SERVED in headers)
+        if self._calibrates(decision, backend, headers):
+            self.timing = backend
+            reply.mode_override.response_body_mode = ProcessingMode.BodySendMode.STREAMED
+        return reply
+
+    def _calibrates(
+        self, decision: Decision | None, backend: BackendState | None, headers: dict[str, bytes]
+    ) -> bool:
+        """Streamed aggregated replies only (`serve` learns from the same ones), one in N."""
+        return (
+            decision is not None
+            and backend is not None
+            and self.prefilled is None
+            and decision.request.stream
+            and headers.get(":status") == b"200"
+            and self.picker.sample_stream()
+        )
+
+    def _first_chunk(self) -> None:
+        """The first streamed chunk of a sampled reply: its arrival is the TTFT the cost model learns."""
+        if self.timing is None or self.decision is None:
+            return
+        elapsed = time.perf_counter() - self.decision.started
+        self.picker.decider.learn(self.decision, self.timing, elapsed, elapsed)
+        self.picker.calibrations.labels(self.timing.id).inc()
+        self.timing = None
 
     def _served(self, decision: Decision, backend: BackendState, status: bytes) -> None:
         registry = self.picker.registry

@@ -376,3 +376,18 @@ def test_grpc_health_follows_the_backends(sim, epp):
     while health_of(picker.grpc_port, "readiness") == serving and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [health_of(picker.grpc_port, s) for s in services] == [serving, not_serving, not_serving]
+
+
+def test_sampled_streams_feed_ttft_to_the_cost_model_and_stay_intact(sim, epp, envoy):
+    server = sim(simple_engine=SLOW)
+    picker = epp(config([backend(server, "b0")]), "--calibrate-every", "2")
+    # Envoy honours a mode override only when neither body mode is full-duplex.
+    proxy = envoy(picker.grpc_port, [server.url], full_duplex=False)
+    texts = []
+    for _ in range(4):
+        body = chat_body(max_tokens=6, stream=True)
+        with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=15) as response:
+            texts.append(b"".join(response.iter_raw()).decode())
+    post(proxy.url)  # not streamed: never sampled
+    assert metric(picker.metrics_url, "hetgate:epp_ttft_samples_total", backend="b0") == 2
+    assert all(t.count("data: ") == 8 and t.rstrip().endswith("data: [DONE]") for t in texts)
