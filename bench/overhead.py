@@ -7,7 +7,9 @@ what the gateway added over the direct baseline of the same round shape, request
 own CPU time per request (from /proc: the robust figure on a 2-core machine). `--target NAME=URL[@PID]`
 adds any OpenAI-compatible router to the same table (its CPU is read when its PID is given). The
 `floor` target is the least the named stack (uvicorn + aiohttp, `bench/floor_proxy.py`) can do: a
-pass-through with no routing, checks or metrics, so what hetgate adds beyond it is hetgate's own.
+pass-through with no routing, checks or metrics, so what hetgate adds beyond it is hetgate's own. The
+`envoy+epp` target is the other deployment shape: a real Envoy carries the bytes and `hetgate epp` picks
+over ext_proc (deploy/envoy/envoy.yaml); its CPU is Envoy's plus the EPP's, each also listed on its own.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Target:
     url: str
     mode: str
     cpu: Callable[[], float] | None = None
+    cpu_parts: dict[str, Callable[[], float]] = field(default_factory=dict)  # shown beside the total
 
 
 @dataclass(slots=True)
@@ -55,6 +58,7 @@ class Cell:
     cpu_s: float = 0.0
     requests: int = 0
     errors: int = 0
+    cpu_parts_s: dict[str, float] = field(default_factory=dict)
 
 
 def request_body(stream: bool, max_tokens: int) -> bytes:
@@ -117,6 +121,7 @@ async def _measure(
     url = f"{target.url}/v1/chat/completions"
     await drive(session, url, body, min(concurrency * 2, 64), concurrency)  # warm connections
     cpu_before = target.cpu() if target.cpu else 0.0
+    parts_before = {name: read() for name, read in target.cpu_parts.items()}
     cell = await drive(session, url, body, args.requests, concurrency)
     key = (target.name, target.mode, stream, concurrency)
     into = results.setdefault(key, Cell(target.name, target.mode, stream, concurrency))
@@ -125,6 +130,8 @@ async def _measure(
     into.requests += cell.requests
     into.errors += cell.errors
     into.cpu_s += (target.cpu() - cpu_before) if target.cpu else 0.0
+    for name, read in target.cpu_parts.items():
+        into.cpu_parts_s[name] = into.cpu_parts_s.get(name, 0.0) + read() - parts_before[name]
 
 
 def summarise(cells: list[Cell], has_cpu: set[str]) -> list[dict]:
@@ -150,6 +157,7 @@ def summarise(cells: list[Cell], has_cpu: set[str]) -> list[dict]:
                 "cpu_us_per_request": round(c.cpu_s / c.requests * 1e6, 1) if c.target in has_cpu else None,
                 "requests_per_s": round(c.requests / c.elapsed_s, 1),
                 "errors": c.errors,
+                "cpu_parts_us": {k: round(v / c.requests * 1e6, 1) for k, v in c.cpu_parts_s.items()},
             }
         )
     return rows
@@ -178,7 +186,12 @@ def print_table(rows: list[dict]) -> None:
             f"{r['p99_ms']:.2f}", f"{r['added_p50_ms']:+.2f}", f"{r['added_p99_ms']:+.2f}", cpu,
             f"{r['requests_per_s']:.0f}", str(r["errors"]),
         )  # fmt: skip
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for r in rows:
+        if r["cpu_parts_us"]:
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in r["cpu_parts_us"].items())
+            console.print(f"{r['target']} stream={r['stream']} c={r['concurrency']}: cpu us/req {parts}")
 
 
 def gateway_config(backends: list[dict], disaggregation: str) -> dict:
@@ -230,6 +243,21 @@ def _floor_proxy(upstream: str) -> Iterator[_FloorProcess]:
         floor.process.wait(timeout=10)
 
 
+def _envoy_epp(stack: contextlib.ExitStack, backend_url: str) -> list[Target]:
+    """Envoy + `hetgate epp` in front of the same backend; no row when Envoy or the `epp` extra is missing."""
+    from bench.epp_harness import EnvoyProcess, EppProcess, envoy_binary
+
+    if envoy_binary() is None:
+        print("envoy+epp: no envoy binary (scripts/test.sh installs it); row left out", file=sys.stderr)
+        return []
+    config = gateway_config([_backend("sim-0", backend_url, ["prefill", "decode"])], "never")
+    epp = stack.enter_context(EppProcess(config))
+    envoy = stack.enter_context(EnvoyProcess(epp.grpc_port, [backend_url]))
+    parts = {"envoy": envoy.cpu_seconds, "epp": epp.cpu_seconds}
+    total = lambda: envoy.cpu_seconds() + epp.cpu_seconds()  # noqa: E731
+    return [Target("envoy+epp", envoy.url, "aggregated", total, parts)]
+
+
 def _external_target(spec: str) -> Target:
     name, _, rest = spec.partition("=")
     url, _, pid = rest.partition("@")
@@ -272,11 +300,13 @@ def main(argv: list[str]) -> int:
         ) as pd,
     ):
         floor = stack.enter_context(_floor_proxy(direct.url))
+        envoy_epp = _envoy_epp(stack, direct.url)
         targets = [
             Target("direct", direct.url, "direct"),
             Target("floor", floor.url, "aggregated", floor.cpu_seconds),
             Target("hetgate", agg.url, "aggregated", agg.cpu_seconds),
             Target("hetgate", pd.url, "pd", pd.cpu_seconds),
+            *envoy_epp,
             *(_external_target(spec) for spec in args.target),
         ]
         cells = asyncio.run(run_cells(targets, args))

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
 from gateway.config import GatewayConfig
+from gateway.decision import build_routers
 from gateway.errors import GatewayError, install_error_handlers
 from gateway.handler import CompletionHandler
 from gateway.metrics import GatewayMetrics
@@ -28,10 +29,6 @@ from gateway.registry import BackendState, HealthEvent, Registry
 from gateway.retry import failing_statuses
 from gateway.schemas import Kind
 from gateway.upstream import Upstream
-from scoring.catalog import load_catalog
-from scoring.cost_policy import Slo
-from scoring.router import build_router
-from scoring.types import Router
 
 log = logging.getLogger("hetgate")
 
@@ -54,23 +51,6 @@ class CompletionEndpoint:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         state: GatewayState = scope["app"].state.gateway
         await state.handler(self.kind, scope, receive, send)
-
-
-def build_routers(config: GatewayConfig) -> dict[str, Router]:
-    routing = config.routing
-    routers: dict[str, Router] = {}
-    for model in config.models:
-        knobs: dict[str, Any] = {}
-        if routing.policy == "prefix":
-            knobs = routing.prefix.model_dump()
-        elif routing.policy == "cost":
-            knobs = {"model": load_catalog().model(model.spec or "")}
-            if model.slo is not None:
-                knobs["slo"] = Slo(model.slo.ttft_s, model.slo.tpot_s)
-        routers[model.name] = build_router(
-            routing.policy, routing.disaggregation, routing.pd_min_prompt_tokens, **knobs
-        )
-    return routers
 
 
 def _models_body(config: GatewayConfig) -> bytes:

@@ -1,4 +1,4 @@
-"""The `hetgate` command: serve, check-config, sim, demo, bench, plan."""
+"""The `hetgate` command: serve, epp, check-config, sim, demo, bench, plan."""
 
 from __future__ import annotations
 
@@ -71,6 +71,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epp(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    try:
+        from gateway.epp.picker import PickerSettings
+        from gateway.epp.service import Listen, run
+    except ImportError as error:
+        print(f"hetgate epp needs the `epp` extra (pip install 'hetgate[epp]'): {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper())
+    config = read_config(args.config)
+    listen = Listen(args.host, args.grpc_port, args.metrics_port)
+    every = args.calibrate_every
+    if every is None:  # only the cost policy learns from measured TTFT
+        every = 16 if config.routing.policy == "cost" else 0
+    asyncio.run(run(config, listen, PickerSettings(args.shed_at, args.max_endpoints, every)))
+    return 0
+
+
 def _check_config(args: argparse.Namespace) -> int:
     config = read_config(args.file)
     print(
@@ -102,6 +122,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="uvicorn's and the gateway's log level (default: warning)",
     )
     serve.set_defaults(run=_serve)
+
+    epp = commands.add_parser("epp", help="run as the Endpoint Picker (Envoy ext_proc) of a gateway")
+    epp.add_argument("--config", required=True, help="YAML configuration (backends = the InferencePool)")
+    epp.add_argument("--host", default="127.0.0.1", help="listen address of both ports")
+    epp.add_argument("--grpc-port", type=int, default=9002, help="ext_proc and gRPC health")
+    epp.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics")
+    epp.add_argument(
+        "--shed-at", type=float, default=None, help="answer 429 when every backend's load/capacity >= this"
+    )
+    epp.add_argument(
+        "--max-endpoints", type=int, default=0, help="endpoints per answer (0: all; 1 for ORIGINAL_DST)"
+    )
+    epp.add_argument(
+        "--calibrate-every", type=int, default=None, help="time 1 streamed reply in N (default: 16 for cost)"
+    )
+    epp.add_argument("--log-level", default="warning")
+    epp.set_defaults(run=_epp)
 
     check = commands.add_parser(
         "check-config",

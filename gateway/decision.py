@@ -1,0 +1,149 @@
+"""The routing decision, written once for both deployment shapes (`hetgate serve` and `hetgate epp`).
+
+A decision is: the model's pool, the request's features (prompt estimate or hashes plus the one awaited
+index lookup), the candidates the registry sees now, and the router's plan. `serve` then carries the bytes
+itself (proxy.py); `epp` hands the plan to Envoy as `x-gateway-destination-endpoint`. Because both call
+`Decider.decide`, the same request in the same state gets the same plan in either shape.
+
+After the request, `served` records what the chosen backends now hold (approximate prefix mode) and
+`learn` feeds a measured TTFT back to the router (the cost policy calibrates its model with it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gateway.config import GatewayConfig
+from gateway.errors import ModelNotFound, NoBackend
+from gateway.metrics import GatewayMetrics
+from gateway.registry import BackendState, ModelPool, Registry
+from gateway.schemas import ParsedRequest, estimate_prompt_tokens
+from scoring.catalog import load_catalog
+from scoring.cost_policy import Slo
+from scoring.router import build_router
+from scoring.types import Candidates, Mode, Outcome, RequestFeatures, RoutePlan, Router
+
+if TYPE_CHECKING:
+    from gateway.affinity import Affinity
+
+
+def build_routers(config: GatewayConfig) -> dict[str, Router]:
+    routing = config.routing
+    routers: dict[str, Router] = {}
+    for model in config.models:
+        knobs: dict[str, Any] = {}
+        if routing.policy == "prefix":
+            knobs = routing.prefix.model_dump()
+        elif routing.policy == "cost":
+            knobs = {"model": load_catalog().model(model.spec or "")}
+            if model.slo is not None:
+                knobs["slo"] = Slo(model.slo.ttft_s, model.slo.tpot_s)
+        routers[model.name] = build_router(
+            routing.policy, routing.disaggregation, routing.pd_min_prompt_tokens, **knobs
+        )
+    return routers
+
+
+@dataclass(slots=True)
+class Decision:
+    """One planned request: everything needed to execute the plan and to learn from it afterwards."""
+
+    request: ParsedRequest
+    pool: ModelPool
+    features: RequestFeatures
+    cached: np.ndarray | None  # prompt tokens each backend holds (row = pool.backends index); None: unknown
+    candidates: Candidates
+    plan: RoutePlan
+    started: float
+
+    @property
+    def aggregated(self) -> list[BackendState]:
+        return [self.pool.backends[i] for i in self.plan.aggregated]
+
+    @property
+    def prefill(self) -> list[BackendState]:
+        return [self.pool.backends[i] for i in self.plan.prefill]
+
+    @property
+    def decode(self) -> list[BackendState]:
+        return [self.pool.backends[i] for i in self.plan.decode]
+
+    def utilisation(self, rows: tuple[int, ...]) -> float:
+        """The lowest load/capacity among `rows`: 1.0 means even the least busy one is full."""
+        c = self.candidates
+        return float(np.min(c.load[list(rows)] / c.capacity[list(rows)])) if rows else float("inf")
+
+
+class Decider:
+    def __init__(
+        self,
+        registry: Registry,
+        routers: dict[str, Router],
+        metrics: GatewayMetrics,
+        affinity: Affinity | None,
+        needs_prompt_tokens: bool = True,
+    ) -> None:
+        self.registry = registry
+        self.routers = routers
+        self.metrics = metrics
+        self.affinity = affinity
+        self.needs_prompt_tokens = needs_prompt_tokens
+
+    def pool_of(self, request: ParsedRequest) -> ModelPool:
+        pool = self.registry.pool(request.model)
+        if pool is None:
+            raise ModelNotFound(f"The model `{request.model}` does not exist.", "model")
+        return pool
+
+    async def decide(
+        self,
+        request: ParsedRequest,
+        headers: dict[bytes, bytes],
+        eligible: np.ndarray | None = None,
+        started: float | None = None,
+    ) -> Decision:
+        """Plan one request. `eligible` (one bool per pool backend) narrows the choice, e.g. to the subset
+        an Envoy gateway allows. Raises ModelNotFound, or NoBackend when nothing can serve."""
+        pool = self.pool_of(request)
+        features, cached = await self._features(request, pool, headers)
+        candidates = self.registry.candidates(pool, cached)
+        if eligible is not None:
+            candidates.healthy = candidates.healthy & eligible
+        plan = self.routers[request.model].plan(features, candidates)
+        self.metrics.route_decisions.labels(request.model, plan.mode.value, plan.reason).inc()
+        if not plan.aggregated:
+            raise NoBackend("No healthy backend serves this model.")
+        when = time.perf_counter() if started is None else started
+        return Decision(request, pool, features, cached, candidates, plan, when)
+
+    def served(self, decision: Decision, backends: list[BackendState]) -> None:
+        """The backends that served the request now hold its prefix (approximate index mode)."""
+        if self.affinity is not None and backends:
+            self.affinity.record(decision.request, decision.pool, decision.features, backends)
+
+    def learn(self, decision: Decision, backend: BackendState, ttft_s: float, e2e_s: float) -> None:
+        """Feed a measured TTFT of an aggregated request back to the router (cost-model calibration)."""
+        row = decision.pool.backends.index(backend)
+        outcome = Outcome(
+            backend_id=backend.id,
+            mode=Mode.AGGREGATED,
+            prompt_tokens=decision.features.prompt_tokens,
+            cached_tokens=0 if decision.cached is None else int(decision.cached[row]),
+            output_tokens=0,
+            ttft_s=ttft_s,
+            e2e_s=e2e_s,
+        )
+        self.routers[decision.request.model].observe(outcome)
+
+    async def _features(
+        self, request: ParsedRequest, pool: ModelPool, headers: dict[bytes, bytes]
+    ) -> tuple[RequestFeatures, np.ndarray | None]:
+        if self.affinity is None:
+            # Only the `auto` split reads the prompt length: a plain balancer skips the estimate.
+            tokens = estimate_prompt_tokens(request) if self.needs_prompt_tokens else 0
+            return RequestFeatures(request.model, tokens, request.max_tokens, request.stream), None
+        return await self.affinity.lookup(request, pool, headers)

@@ -1,0 +1,317 @@
+"""One HTTP request's life on one ext_proc stream, as the Endpoint Picker sees it.
+
+    request headers  -> buffered mode: continue at once (the route rides on the body response);
+                        full-duplex mode: held until the body is in, then answered with the route
+    request body     -> parse the fields routing reads, decide (gateway/decision.py, shared with `serve`),
+                        shed or reject, run the prefill leg of a P/D plan, answer the endpoints
+    response headers -> the endpoint that served: in-flight moved to it, index record, route header
+    stream closed    -> in-flight released
+
+The in-flight count taken here is the same `Registry` count `serve` keeps, so routing by load works
+alike in both shapes. Errors before a backend is touched are immediate OpenAI-shaped responses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from prometheus_client import Counter
+
+from gateway.config import GatewayConfig
+from gateway.decision import Decider, Decision
+from gateway.epp import protocol
+from gateway.epp.pd import PrefillRunner, decode_body, fallback_error
+from gateway.errors import BodyTooLarge, GatewayError, ModelNotFound, NoBackend
+from gateway.metrics import GatewayMetrics
+from gateway.registry import BackendState, ModelPool, Registry
+from gateway.schemas import Kind, parse_body
+from scoring.types import Mode
+
+log = logging.getLogger("hetgate.epp")
+
+_FULL_DUPLEX = ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+_KINDS = {Kind.CHAT.path: Kind.CHAT, Kind.COMPLETIONS.path: Kind.COMPLETIONS}
+
+
+class Shed(GatewayError):
+    """The request was dropped because every eligible backend is full (the EPP protocol's 429)."""
+
+    status = 429
+    type = "RateLimitError"
+
+
+@dataclass(frozen=True, slots=True)
+class PickerSettings:
+    shed_at: float | None = None  # shed when even the least busy backend's load/capacity reaches this
+    max_endpoints: int = 0  # endpoints in the answer (0: all ranked; 1 for proxies without fallbacks)
+    # One streamed reply in this many has its first chunk sent to the EPP, to measure TTFT for the cost
+    # model; 0: never. Each sampled chunk costs a gRPC round trip, so it stays a sample.
+    calibrate_every: int = 0
+
+
+def endpoint_of(backend: BackendState) -> str:
+    url = backend.config.url
+    return f"{url.host}:{url.port}"
+
+
+class Picker:
+    """What every stream shares: the decision, the registry and the prefill runner."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        registry: Registry,
+        decider: Decider,
+        prefill: PrefillRunner,
+        metrics: GatewayMetrics,
+        settings: PickerSettings,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.decider = decider
+        self.prefill = prefill
+        self.metrics = metrics
+        self.settings = settings
+        self.calibrations = Counter(
+            "hetgate:epp_ttft_samples",
+            "Streamed replies whose first chunk the EPP timed for the cost model",
+            ["backend"],
+            registry=metrics.registry,
+        )
+        self.by_endpoint = {endpoint_of(b): b for b in registry.backends.values()}
+        self._streams = 0
+
+    def sample_stream(self) -> bool:
+        every = self.settings.calibrate_every
+        if not every:
+            return False
+        self._streams += 1
+        return self._streams % every == 0
+
+    def endpoints(self, order: list[BackendState]) -> str:
+        limit = self.settings.max_endpoints or len(order)
+        return ",".join(endpoint_of(b) for b in order[:limit])
+
+
+class Turn:
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+        self.headers: dict[str, bytes] = {}
+        self.subset: frozenset[str] | None = None
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.full_duplex = False
+        self.routed = False
+        self.decision: Decision | None = None
+        self.holding: BackendState | None = None
+        self.prefilled: BackendState | None = None
+        self.mode = "aggregated"
+        self.note = ""
+        self.timing: BackendState | None = None  # sampled stream: the backend whose first chunk we await
+
+    async def on(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            return self._on_headers(message)
+        if kind == "request_body":
+            return await self._on_body(message.request_body)
+        if kind == "request_trailers":  # full-duplex mode: trailers end the body too
+            routed = [] if self.routed else await self._route()
+            return [*routed, protocol.request_trailers()]
+        if kind == "response_headers":
+            return [self._on_response(message)]
+        if kind == "response_body":
+            self._first_chunk()
+            return [protocol.pass_response_body()]
+        if kind == "response_trailers":
+            return [protocol.pass_response_trailers()]
+        return []
+
+    def close(self) -> None:
+        """The stream ended (response done, client gone or Envoy reset): give back the reservation."""
+        if self.holding is not None:
+            self.picker.registry.end(self.holding)
+            self.holding = None
+
+    # -- request ------------------------------------------------------------------------------------------
+
+    def _on_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        self.headers = protocol.header_map(message.request_headers)
+        self.subset = protocol.subset_of(message)
+        self.full_duplex = message.protocol_config.request_body_mode == _FULL_DUPLEX
+        declared = self.headers.get("content-length", b"")
+        limit = self.picker.config.limits.max_body_bytes
+        if declared.isdigit() and int(declared) > limit:
+            return [self._reject(BodyTooLarge(f"The request body exceeds {limit} bytes."))]
+        if message.request_headers.end_of_stream:
+            return [self._bodyless()]
+        return [] if self.full_duplex else [protocol.continue_headers()]
+
+    async def _on_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        self.size += len(body.body)
+        limit = self.picker.config.limits.max_body_bytes
+        if self.size > limit:
+            return [self._reject(BodyTooLarge(f"The request body exceeds {limit} bytes."))]
+        self.parts.append(body.body)
+        if not body.end_of_stream:
+            return []  # full-duplex mode: keep buffering; Envoy holds the request meanwhile
+        return await self._route()
+
+    async def _route(self) -> list[pb.ProcessingResponse]:
+        self.routed = True
+        raw = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+        started = time.perf_counter()
+        try:
+            decision = await self._decide(raw, started)
+            order, body = await self._execute(decision)
+        except GatewayError as error:
+            return [self._reject(error)]
+        self.decision = decision
+        self._hold(order[0])
+        endpoints = self.picker.endpoints(order)
+        mutation = protocol.destination_mutation(endpoints, None if body is None else len(body))
+        if self.full_duplex:
+            return [protocol.routed_headers(mutation, endpoints), *protocol.streamed_body(body or raw)]
+        return [protocol.routed_body(mutation, endpoints, body)]
+
+    async def _decide(self, raw: bytes, started: float) -> Decision:
+        kind = _KINDS.get(self.headers.get(":path", b"").split(b"?", 1)[0].decode("latin-1"))
+        if kind is None:
+            raise ModelNotFound("Only /v1/chat/completions and /v1/completions are routed by model.")
+        request = parse_body(raw, kind)
+        pool = self.picker.decider.pool_of(request)
+        headers = {k.encode(): v for k, v in self.headers.items()}
+        decision = await self.picker.decider.decide(request, headers, self._eligible(pool), started)
+        shed_at = self.picker.settings.shed_at
+        if shed_at is not None and decision.utilisation(decision.plan.aggregated) >= shed_at:
+            raise Shed("Every backend of this model is at capacity; retry later.")
+        return decision
+
+    def _eligible(self, pool: ModelPool) -> np.ndarray | None:
+        if self.subset is None:
+            return None
+        mask = np.fromiter((endpoint_of(b) in self.subset for b in pool.backends), bool, len(pool.backends))
+        if not mask.any():
+            raise NoBackend("No endpoint of the allowed subset serves this model.")
+        return mask
+
+    async def _execute(self, decision: Decision) -> tuple[list[BackendState], bytes | None]:
+        """The endpoints to hand Envoy, best first, and the rewritten body (None: forward it as is)."""
+        request, pool = decision.request, decision.pool
+        body = request.body
+        renamed = pool.model.upstream_name != request.model
+        if renamed:
+            body = {**body, "model": pool.model.upstream_name}
+        if decision.plan.mode is not Mode.PD:
+            return decision.aggregated, _dumps(body) if renamed else None
+        try:
+            done = await self.picker.prefill.run(request, decision.prefill, self._request_id())
+        except GatewayError:
+            return self._fall_back(decision), _dumps(body) if renamed else None
+        self.mode, self.prefilled = "pd", done.backend
+        self.picker.metrics.route_decisions.labels(request.model, "pd", "executed").inc()
+        return decision.decode, decode_body(body, done)
+
+    def _fall_back(self, decision: Decision) -> list[BackendState]:
+        model = decision.request.model
+        if self.picker.config.routing.pd_fallback == "fail":
+            self.picker.metrics.fallbacks.labels(model, "fail").inc()
+            raise fallback_error("prefill_failed")
+        self.picker.metrics.fallbacks.labels(model, "aggregated").inc()
+        self.note = "; fallback=prefill_failed"
+        return decision.aggregated
+
+    def _bodyless(self) -> pb.ProcessingResponse:
+        """GET /v1/models and the like: any available backend answers (least in flight first)."""
+        now, recovery = time.monotonic(), self.picker.registry.health_settings.recovery_s
+        ready = [b for b in self.picker.registry.backends.values() if b.available(now, recovery)]
+        if not ready:
+            return self._reject(NoBackend("No healthy backend is available."))
+        ready.sort(key=lambda b: b.in_flight)
+        endpoints = self.picker.endpoints(ready)
+        self.routed = True
+        return protocol.routed_headers(protocol.destination_mutation(endpoints, None), endpoints)
+
+    def _request_id(self) -> str:
+        rid = self.headers.get("x-request-id")
+        return rid.decode("latin-1") if rid else os.urandom(16).hex()
+
+    def _reject(self, error: GatewayError) -> pb.ProcessingResponse:
+        model = self.decision.request.model if self.decision else "_invalid"
+        self.picker.metrics.requests.labels(model, "none", str(error.status)).inc()
+        return protocol.immediate(error)
+
+    def _hold(self, backend: BackendState) -> None:
+        if self.holding is not None:
+            self.picker.registry.end(self.holding)
+        self.picker.registry.begin(backend)
+        self.holding = backend
+
+    # -- response -----------------------------------------------------------------------------------------
+
+    def _on_response(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        headers = protocol.header_map(message.response_headers)
+        served_at = protocol.served_of(message, headers)
+        backend = self.picker.by_endpoint.get(served_at) if served_at else None
+        decision = self.decision
+        if decision is not None and backend is not None:
+            self._served(decision, backend, headers.get(":status", b"200"))
+        route = self._route_text(backend) if self.picker.config.routing.route_header else None
+        reply = protocol.response_headers(route, strip_served=protocol.SERVED in headers)
+        if self._calibrates(decision, backend, headers):
+            self.timing = backend
+            reply.mode_override.response_body_mode = ProcessingMode.BodySendMode.STREAMED
+        return reply
+
+    def _calibrates(
+        self, decision: Decision | None, backend: BackendState | None, headers: dict[str, bytes]
+    ) -> bool:
+        """Streamed aggregated replies only (`serve` learns from the same ones), one in N."""
+        return (
+            decision is not None
+            and backend is not None
+            and self.prefilled is None
+            and decision.request.stream
+            and headers.get(":status") == b"200"
+            and self.picker.sample_stream()
+        )
+
+    def _first_chunk(self) -> None:
+        """The first streamed chunk of a sampled reply: its arrival is the TTFT the cost model learns."""
+        if self.timing is None or self.decision is None:
+            return
+        elapsed = time.perf_counter() - self.decision.started
+        self.picker.decider.learn(self.decision, self.timing, elapsed, elapsed)
+        self.picker.calibrations.labels(self.timing.id).inc()
+        self.timing = None
+
+    def _served(self, decision: Decision, backend: BackendState, status: bytes) -> None:
+        registry = self.picker.registry
+        if backend is not self.holding:  # Envoy fell back to a later endpoint of the list
+            self._hold(backend)
+        if status.startswith(b"5"):
+            registry.record_failure(backend)
+        else:
+            registry.record_success(backend)
+        legs = [self.prefilled, backend] if self.prefilled is not None else [backend]
+        self.picker.decider.served(decision, legs)
+        self.picker.metrics.requests.labels(decision.request.model, self.mode, status.decode()).inc()
+
+    def _route_text(self, backend: BackendState | None) -> str | None:
+        if backend is None or self.decision is None:
+            return None
+        if self.prefilled is not None:
+            return f"mode=pd; prefill={self.prefilled.id}; decode={backend.id}"
+        return f"mode=aggregated; backend={backend.id}{self.note}"
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    return orjson.dumps(body)
