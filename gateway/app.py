@@ -85,8 +85,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         log.warning("backend %s is now %s", backend.id, "up" if backend.healthy else "down")
 
     registry = Registry(config, on_health_change)
+    metrics.initialise(
+        [m.name for m in config.models],
+        [(b.id, b.model, b.accelerator, b.gpus, ",".join(sorted(b.roles))) for b in config.backends],
+    )
     for backend in registry.backends.values():
-        metrics.healthy.labels(backend.id).set(1)
         metrics.in_flight.labels(backend.id).set_function(lambda b=backend: b.in_flight)
     upstream = Upstream(config.timeouts)
     prefix: PrefixServices | None = await build_prefix_services(config, registry, metrics)

