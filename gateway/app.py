@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,9 +17,11 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, load_config
+from gateway.discovery import FileSource, KubernetesSource
 from gateway.errors import GatewayError
 from gateway.handler import CompletionHandler
+from gateway.live import ConfigReloader, LiveBackends
 from gateway.metrics import GatewayMetrics
 from gateway.poller import Poller
 from gateway.prefix import PrefixServices, build_prefix_services
@@ -39,6 +43,15 @@ class GatewayState:
     registry: Registry
     handler: CompletionHandler
     models_body: bytes
+
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """Apply what may change while serving (gateway/live.py): routing, limits, health settings."""
+        self.config = config
+        self.handler.routers = build_routers(config)
+        self.handler.max_body_bytes = config.limits.max_body_bytes
+        self.handler.route_header = config.routing.route_header
+        self.handler.proxy.config = config
+        self.registry.health_settings = config.health
 
 
 class CompletionEndpoint:
@@ -85,12 +98,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         log.warning("backend %s is now %s", backend.id, "up" if backend.healthy else "down")
 
     registry = Registry(config, on_health_change)
-    metrics.initialise(
-        [m.name for m in config.models],
-        [(b.id, b.model, b.accelerator, b.gpus, ",".join(sorted(b.roles))) for b in config.backends],
-    )
+    metrics.initialise(m.name for m in config.models)
     for backend in registry.backends.values():
-        metrics.in_flight.labels(backend.id).set_function(lambda b=backend: b.in_flight)
+        metrics.watch_backend(backend)
     upstream = Upstream(config.timeouts)
     prefix: PrefixServices | None = await build_prefix_services(config, registry, metrics)
     handler = CompletionHandler(
@@ -104,22 +114,57 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         route_header=config.routing.route_header,
         needs_prompt_tokens=config.routing.disaggregation == "auto",
     )
-    app.state.gateway = GatewayState(config, metrics, registry, handler, _models_body(config))
+    state = GatewayState(config, metrics, registry, handler, _models_body(config))
+    app.state.gateway = state
     async with httpx.AsyncClient() as control_client:
         poller = Poller(registry, control_client)
         poller.start()
+        live = start_live_changes(state, prefix, control_client, app.state.config_path)
         try:
             yield
         finally:
+            for task in live:
+                task.cancel()
+            await asyncio.gather(*live, return_exceptions=True)
             await poller.stop()
             if prefix:
                 await prefix.close()
             await upstream.close()
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def start_live_changes(
+    state: GatewayState, prefix: PrefixServices | None, control: httpx.AsyncClient, config_path: Path | None
+) -> list[asyncio.Task[None]]:
+    """The background tasks that change the gateway while it serves: a discovery source, config reload."""
+    live = LiveBackends(state, prefix)
+    tasks: list[asyncio.Task[None]] = []
+    discovery = state.config.discovery
+    accelerators = load_catalog().accelerators
+    if discovery.source == "file" and discovery.file is not None:
+        path = discovery.file.path
+        if config_path is not None and not path.is_absolute():
+            path = config_path.parent / path
+        source = FileSource(path, discovery.file.poll_s, state.config, live.submit, accelerators)
+        source.poll()  # the first snapshot before the first request
+        tasks.append(asyncio.create_task(source.run(), name="discovery-file"))
+    elif discovery.source == "kubernetes":
+        kube = KubernetesSource(discovery.kubernetes, state.config, live.submit, accelerators, control)
+        tasks.append(asyncio.create_task(kube.run(), name="discovery-kubernetes"))
+    if config_path is not None:
+        reloader = ConfigReloader(config_path, state, live, read=_read_config)
+        reloader.install_signal()
+        tasks.append(asyncio.create_task(reloader.watch(), name="config-reload"))
+    return tasks
+
+
+def _read_config(path: Path) -> GatewayConfig:
+    return load_config(path, load_catalog().accelerators)
+
+
+def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAPI:
     app = FastAPI(title="hetgate", version="0.1.0", lifespan=_lifespan)
     app.state.config = config
+    app.state.config_path = config_path
     app.router.routes.append(Route("/v1/chat/completions", CompletionEndpoint(Kind.CHAT), methods=["POST"]))
     app.router.routes.append(Route("/v1/completions", CompletionEndpoint(Kind.COMPLETIONS), methods=["POST"]))
 
@@ -180,5 +225,5 @@ class HotPathApp:
         await self.app(scope, receive, send)
 
 
-def create_asgi_app(config: GatewayConfig) -> HotPathApp:
-    return HotPathApp(create_app(config))
+def create_asgi_app(config: GatewayConfig, config_path: Path | None = None) -> HotPathApp:
+    return HotPathApp(create_app(config, config_path))

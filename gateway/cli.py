@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from gateway.config import ConfigError, GatewayConfig, load_config
 
@@ -38,7 +39,8 @@ def read_config(path: str) -> GatewayConfig:
 def app_from_env():
     from gateway.app import create_asgi_app
 
-    return create_asgi_app(read_config(os.environ[CONFIG_ENV]))
+    path = os.environ[CONFIG_ENV]
+    return create_asgi_app(read_config(path), Path(path))
 
 
 def _serve(args: argparse.Namespace) -> int:

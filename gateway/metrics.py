@@ -7,7 +7,14 @@ mode/status/reason from small fixed sets; no prompt text or key ever becomes a l
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+if TYPE_CHECKING:
+    from gateway.registry import BackendState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _INDEX_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1)
@@ -20,6 +27,7 @@ class GatewayMetrics:
         # rather than at import).
         disable_created_metrics()
         self.registry = CollectorRegistry()
+        self._info_labels: dict[str, tuple[str, ...]] = {}
         r = self.registry
         self.requests = Counter(
             "hetgate:requests", "Requests finished", ["model", "mode", "status"], registry=r
@@ -102,15 +110,36 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def initialise(self, models: list[str], backends: list[tuple[str, str, str, int, str]]) -> None:
+    def initialise(self, models: Iterable[str]) -> None:
         """Create every series whose labels are known at start, at 0, so dashboards and alerts see a
-        value (not an absent series) before the first event. `backends`: (id, model, accelerator, gpus,
-        roles)."""
+        value (not an absent series) before the first event."""
         for model in models:
             self.retries.labels(model)
             self.client_disconnects.labels(model)
             for to in ("aggregated", "fail"):
                 self.fallbacks.labels(model, to)
-        for backend_id, model, accelerator, gpus, roles in backends:
-            self.backend_info.labels(backend_id, model, accelerator, str(gpus), roles).set(1)
-            self.healthy.labels(backend_id).set(1)
+
+    def watch_backend(self, backend: BackendState) -> None:
+        """A backend joins (at start, or discovered): its series start, in-flight read from its state."""
+        config = backend.config
+        labels = (
+            config.id,
+            config.model,
+            config.accelerator,
+            str(config.gpus),
+            ",".join(sorted(config.roles)),
+        )
+        self.forget_backend(config.id)  # a changed backend (same id) replaces its old description
+        self._info_labels[config.id] = labels
+        self.backend_info.labels(*labels).set(1)
+        self.healthy.labels(config.id).set(1 if backend.healthy else 0)
+        self.in_flight.labels(config.id).set_function(lambda: backend.in_flight)
+
+    def forget_backend(self, backend_id: str) -> None:
+        """A backend left: its series go (labels stay bounded by the live backend set)."""
+        for gauge in (self.healthy, self.in_flight):
+            with contextlib.suppress(KeyError):
+                gauge.remove(backend_id)
+        labels = self._info_labels.pop(backend_id, None)
+        if labels is not None:
+            self.backend_info.remove(*labels)

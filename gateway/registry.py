@@ -12,7 +12,7 @@ Nothing here does I/O on the request path: `candidates()` only reads memory.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -111,6 +111,31 @@ class Registry:
         }
         self._on_health_change = on_health_change or (lambda _state: None)
         self._clock = clock
+
+    def update_backends(
+        self, configs: Sequence[BackendConfig]
+    ) -> tuple[list[BackendState], list[BackendState]]:
+        """Replace the set of backends (discovery, config reload); returns (added, removed).
+
+        A backend whose configuration is unchanged keeps its state (health, load, in-flight count); a new
+        or changed one starts fresh. Removed backends leave the pools at once, so they get no new request,
+        while the requests holding them (open streams) finish on them.
+        """
+        fresh: dict[str, BackendState] = {}
+        added: list[BackendState] = []
+        for config in configs:
+            kept = self.backends.get(config.id)
+            if kept is None or kept.config != config:
+                kept = BackendState(config)
+                added.append(kept)
+            fresh[config.id] = kept
+        removed = [b for id_, b in self.backends.items() if fresh.get(id_) is not b]
+        self.backends = fresh
+        self.pools = {
+            name: ModelPool(pool.model, [b for b in fresh.values() if b.config.model == name])
+            for name, pool in self.pools.items()
+        }
+        return added, removed
 
     def pool(self, model: str) -> ModelPool | None:
         return self.pools.get(model)
