@@ -27,8 +27,10 @@ from gateway.poller import Poller
 from gateway.prefix import PrefixServices, build_prefix_services
 from gateway.proxy import Proxy
 from gateway.registry import BackendState, Registry
+from gateway.replicas import SharedLoad, replica_id
 from gateway.schemas import Kind
 from gateway.upstream import Upstream
+from kvindex.load_share import LoadShare
 from scoring.catalog import load_catalog
 from scoring.router import build_router
 from scoring.types import Router
@@ -135,7 +137,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def start_live_changes(
     state: GatewayState, prefix: PrefixServices | None, control: httpx.AsyncClient, config_path: Path | None
 ) -> list[asyncio.Task[None]]:
-    """The background tasks that change the gateway while it serves: a discovery source, config reload."""
+    """The background tasks that change the gateway while it serves: a discovery source, the load shared
+    with other replicas, config reload."""
     live = LiveBackends(state, prefix)
     tasks: list[asyncio.Task[None]] = []
     discovery = state.config.discovery
@@ -150,6 +153,11 @@ def start_live_changes(
     elif discovery.source == "kubernetes":
         kube = KubernetesSource(discovery.kubernetes, state.config, live.submit, accelerators, control)
         tasks.append(asyncio.create_task(kube.run(), name="discovery-kubernetes"))
+    index = state.config.index
+    if index.store == "redis" and index.share_load:
+        share = LoadShare.from_url(index.redis_url, index.key_prefix, replica_id(), index.share_ttl_s)
+        shared = SharedLoad(state.registry, share, index.share_interval_s, index.share_ttl_s)
+        tasks.append(asyncio.create_task(shared.run(), name="shared-load"))
     if config_path is not None:
         reloader = ConfigReloader(config_path, state, live, read=_read_config)
         reloader.install_signal()

@@ -112,6 +112,11 @@ class IndexConfig(_Strict):
     ttl_s: Annotated[float, Field(gt=0)] = 600
     deadline_ms: Annotated[float, Field(gt=0)] = 20
     tenant_salt_header: str | None = None
+    # With the Redis store, replicas and workers share their in-flight counts per backend (one round trip
+    # every share_interval_s, off the request path); a replica silent for share_ttl_s is forgotten.
+    share_load: bool = True
+    share_interval_s: Annotated[float, Field(gt=0)] = 0.2
+    share_ttl_s: Annotated[float, Field(gt=0)] = 2.0
 
 
 class Timeouts(_Strict):

@@ -63,6 +63,12 @@ class GatewayMetrics:
             "hetgate:pd_fallbacks", "P/D requests that fell back", ["model", "to"], registry=r
         )
         self.in_flight = Gauge("hetgate:backend_in_flight", "Requests in flight", ["backend"], registry=r)
+        self.cluster_in_flight = Gauge(
+            "hetgate:backend_in_flight_cluster",
+            "Requests in flight from every gateway replica sharing the Redis store (this one's without it)",
+            ["backend"],
+            registry=r,
+        )
         self.healthy = Gauge(
             "hetgate:backend_healthy", "1 when the backend takes traffic", ["backend"], registry=r
         )
@@ -134,10 +140,13 @@ class GatewayMetrics:
         self.backend_info.labels(*labels).set(1)
         self.healthy.labels(config.id).set(1 if backend.healthy else 0)
         self.in_flight.labels(config.id).set_function(lambda: backend.in_flight)
+        self.cluster_in_flight.labels(config.id).set_function(
+            lambda: backend.in_flight + backend.remote_in_flight
+        )
 
     def forget_backend(self, backend_id: str) -> None:
         """A backend left: its series go (labels stay bounded by the live backend set)."""
-        for gauge in (self.healthy, self.in_flight):
+        for gauge in (self.healthy, self.in_flight, self.cluster_in_flight):
             with contextlib.suppress(KeyError):
                 gauge.remove(backend_id)
         labels = self._info_labels.pop(backend_id, None)

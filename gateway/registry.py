@@ -29,6 +29,7 @@ class BackendState:
         "healthy",
         "in_flight",
         "load",
+        "remote_in_flight",
         "spec",
         "trial_in_flight",
         "upstream_key",
@@ -51,6 +52,7 @@ class BackendState:
         self.down_since = 0.0
         self.trial_in_flight = False
         self.in_flight = 0
+        self.remote_in_flight = 0  # other gateway processes' requests on it (gateway/replicas.py)
         self.load = VllmLoad()
 
     @property
@@ -86,7 +88,10 @@ class ModelPool:
             can_prefill=self._can_prefill,
             can_decode=self._can_decode,
             load=np.fromiter(
-                (max(b.in_flight, b.load.running) + b.load.waiting for b in self.backends),
+                (
+                    max(b.in_flight + b.remote_in_flight, b.load.running) + b.load.waiting
+                    for b in self.backends
+                ),
                 dtype=float,
                 count=n,
             ),
