@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import orjson
 from fastapi import FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import Route
 
 from gateway.config import GatewayConfig, load_config
@@ -153,6 +153,8 @@ def start_live_changes(
     elif discovery.source == "kubernetes":
         kube = KubernetesSource(discovery.kubernetes, state.config, live.submit, accelerators, control)
         tasks.append(asyncio.create_task(kube.run(), name="discovery-kubernetes"))
+    if state.metrics.multiprocess:
+        tasks.append(asyncio.create_task(state.metrics.refresh_every(1.0), name="metrics-refresh"))
     index = state.config.index
     if index.store == "redis" and index.share_load:
         share = LoadShare.from_url(index.redis_url, index.key_prefix, replica_id(), index.share_ttl_s)
@@ -211,7 +213,7 @@ def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAP
     async def metrics(request: Request) -> Response:
         if error := authorized(request):
             return Response(error.body(), status_code=error.status, media_type="application/json")
-        return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(state_of(request).metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

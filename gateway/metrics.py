@@ -3,15 +3,30 @@
 Built once per app in the lifespan, on a registry of its own (no module-level globals, so tests can run
 several apps in one process). Labels are bounded: model and backend ids come from the configuration,
 mode/status/reason from small fixed sets; no prompt text or key ever becomes a label.
+
+With `--workers N` every worker counts its own requests. `hetgate serve` then runs prometheus-client's
+multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, a fresh folder per run unless set): each worker writes its
+values to files there and any worker's `/metrics` answers for all of them, counters and histograms
+summed, in-flight gauges summed over live workers, health and cluster-wide in-flight their maximum.
+Gauges read from backend state are refreshed at each scrape and, with several workers, every second.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
     from gateway.registry import BackendState
@@ -27,7 +42,9 @@ class GatewayMetrics:
         # rather than at import).
         disable_created_metrics()
         self.registry = CollectorRegistry()
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._info_labels: dict[str, tuple[str, ...]] = {}
+        self._backends: dict[str, BackendState] = {}
         r = self.registry
         self.requests = Counter(
             "hetgate:requests", "Requests finished", ["model", "mode", "status"], registry=r
@@ -62,15 +79,26 @@ class GatewayMetrics:
         self.fallbacks = Counter(
             "hetgate:pd_fallbacks", "P/D requests that fell back", ["model", "to"], registry=r
         )
-        self.in_flight = Gauge("hetgate:backend_in_flight", "Requests in flight", ["backend"], registry=r)
+        self.in_flight = Gauge(
+            "hetgate:backend_in_flight",
+            "Requests in flight",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.cluster_in_flight = Gauge(
             "hetgate:backend_in_flight_cluster",
             "Requests in flight from every gateway replica sharing the Redis store (this one's without it)",
             ["backend"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.healthy = Gauge(
-            "hetgate:backend_healthy", "1 when the backend takes traffic", ["backend"], registry=r
+            "hetgate:backend_healthy",
+            "1 when the backend takes traffic",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.route_decisions = Counter(
             "hetgate:route_decisions", "Router decisions", ["model", "mode", "reason"], registry=r
@@ -95,6 +123,7 @@ class GatewayMetrics:
             "Always 1: what each backend is (join on `backend` to group other series by accelerator)",
             ["backend", "model", "accelerator", "gpus", "roles"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.index_lookup = Histogram(
             "hetgate:index_lookup_seconds",
@@ -126,29 +155,46 @@ class GatewayMetrics:
                 self.fallbacks.labels(model, to)
 
     def watch_backend(self, backend: BackendState) -> None:
-        """A backend joins (at start, or discovered): its series start, in-flight read from its state."""
+        """A backend joins (at start, or discovered): its series start."""
         config = backend.config
-        labels = (
-            config.id,
-            config.model,
-            config.accelerator,
-            str(config.gpus),
-            ",".join(sorted(config.roles)),
-        )
+        roles = ",".join(sorted(config.roles))
+        labels = (config.id, config.model, config.accelerator, str(config.gpus), roles)
         self.forget_backend(config.id)  # a changed backend (same id) replaces its old description
         self._info_labels[config.id] = labels
+        self._backends[config.id] = backend
         self.backend_info.labels(*labels).set(1)
         self.healthy.labels(config.id).set(1 if backend.healthy else 0)
-        self.in_flight.labels(config.id).set_function(lambda: backend.in_flight)
-        self.cluster_in_flight.labels(config.id).set_function(
-            lambda: backend.in_flight + backend.remote_in_flight
-        )
+        self.refresh()
 
     def forget_backend(self, backend_id: str) -> None:
-        """A backend left: its series go (labels stay bounded by the live backend set)."""
+        """A backend left: its series go (labels stay bounded by the live backend set). In multiprocess
+        mode the files keep a removed series, so it is zeroed first."""
+        if self._backends.pop(backend_id, None) is None:
+            return
         for gauge in (self.healthy, self.in_flight, self.cluster_in_flight):
-            with contextlib.suppress(KeyError):
-                gauge.remove(backend_id)
-        labels = self._info_labels.pop(backend_id, None)
-        if labels is not None:
-            self.backend_info.remove(*labels)
+            gauge.labels(backend_id).set(0)
+            gauge.remove(backend_id)
+        labels = self._info_labels.pop(backend_id)
+        self.backend_info.labels(*labels).set(0)
+        self.backend_info.remove(*labels)
+
+    def refresh(self) -> None:
+        """Copy what the backends' state says into the gauges that mirror it."""
+        for backend_id, backend in self._backends.items():
+            self.in_flight.labels(backend_id).set(backend.in_flight)
+            self.cluster_in_flight.labels(backend_id).set(backend.in_flight + backend.remote_in_flight)
+
+    async def refresh_every(self, interval_s: float) -> None:
+        """With several workers a scrape reads every worker's files: keep this worker's fresh."""
+        while True:
+            self.refresh()
+            await asyncio.sleep(interval_s)
+
+    def exposition(self) -> bytes:
+        """The `/metrics` page: this process's registry, or every worker's in multiprocess mode."""
+        self.refresh()
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)
+        return generate_latest(merged)
