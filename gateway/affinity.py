@@ -9,10 +9,12 @@ timeouts and errors into "nothing cached".
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gateway.metrics import GatewayMetrics
 from gateway.registry import BackendState, ModelPool
 from gateway.schemas import ParsedRequest
 from scoring.types import RequestFeatures
@@ -29,6 +31,7 @@ class Affinity:
         hashers: dict[str, PromptHasher],
         tenant_header: str | None,
         precise_backends: set[str] | frozenset[str] = frozenset(),
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.index = index
         self.hashers = hashers
@@ -37,10 +40,12 @@ class Affinity:
         self.precise_backends = frozenset(precise_backends)
         self.tenant_header = tenant_header.lower().encode() if tenant_header else None
         self._pending: set[asyncio.Task[None]] = set()
+        self.metrics = metrics
 
     async def lookup(
         self, request: ParsedRequest, pool: ModelPool, headers: dict[bytes, bytes]
     ) -> tuple[RequestFeatures, np.ndarray]:
+        started = time.perf_counter()
         tenant_raw = headers.get(self.tenant_header) if self.tenant_header else None
         tenant = tenant_raw.decode("latin-1") if tenant_raw else None
         tokens, hashes = self.hashers[request.model].features(request.body, request.kind.value, tenant)
@@ -51,8 +56,17 @@ class Affinity:
             counts = await self.index.match(request.model, block_size, block_hashes, ids)
             cached[rows] = np.asarray(counts, dtype=np.int64) * block_size
         np.minimum(cached, tokens, out=cached)  # the last block may reach past the estimate
+        if self.metrics is not None:
+            self._observe(request.model, started, tokens, int(cached.max(initial=0)))
         features = RequestFeatures(request.model, tokens, request.max_tokens, request.stream, hashes)
         return features, cached
+
+    def _observe(self, model: str, started: float, tokens: int, matched: int) -> None:
+        metrics = self.metrics
+        assert metrics is not None
+        metrics.index_lookup.labels(model).observe(time.perf_counter() - started)
+        metrics.index_prompt_tokens.labels(model).inc(tokens)
+        metrics.index_matched_tokens.labels(model).inc(matched)
 
     def record(
         self, request: ParsedRequest, pool: ModelPool, features: RequestFeatures, served: list[BackendState]

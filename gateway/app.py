@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -9,26 +10,32 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 from fastapi import FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import Route
 
 from gateway.config import GatewayConfig
 from gateway.decision import build_routers
+from gateway.discovery import FileSource, KubernetesSource
 from gateway.errors import GatewayError, install_error_handlers
 from gateway.handler import CompletionHandler
+from gateway.live import ConfigReloader, LiveBackends
 from gateway.metrics import GatewayMetrics
 from gateway.poller import Poller
 from gateway.prefix import PrefixServices, build_prefix_services
 from gateway.proxy import Proxy
 from gateway.registry import BackendState, HealthEvent, Registry
+from gateway.replicas import SharedLoad, replica_id
 from gateway.retry import failing_statuses
 from gateway.schemas import Kind
 from gateway.upstream import Upstream
+from kvindex.load_share import LoadShare
+from scoring.catalog import load_catalog
 
 log = logging.getLogger("hetgate")
 
@@ -40,6 +47,15 @@ class GatewayState:
     registry: Registry
     handler: CompletionHandler
     models_body: bytes
+
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """Apply what may change while serving (gateway/live.py): routing, limits, health settings."""
+        self.config = config
+        self.handler.routers = build_routers(config)
+        self.handler.max_body_bytes = config.limits.max_body_bytes
+        self.handler.route_header = config.routing.route_header
+        self.handler.proxy.config = config
+        self.registry.health_settings = config.health
 
 
 class CompletionEndpoint:
@@ -77,9 +93,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         log.warning("backend %s: %s", backend.id, event.value)
 
     registry = Registry(config, on_health_change)
+    metrics.initialise(m.name for m in config.models)
     for backend in registry.backends.values():
-        metrics.healthy.labels(backend.id).set_function(partial(_available, registry, backend))
-        metrics.in_flight.labels(backend.id).set_function(partial(_in_flight, backend))
+        metrics.watch_backend(backend, partial(registry.available, backend))
     async with contextlib.AsyncExitStack() as resources:  # closed in reverse, also when start-up fails
         upstream = Upstream(config.timeouts, failing_statuses(config.retry), config.limits.max_response_bytes)
         resources.push_async_callback(upstream.close)
@@ -87,11 +103,20 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if prefix:
             resources.push_async_callback(prefix.close)
         control_client = await resources.enter_async_context(httpx.AsyncClient())
-        app.state.gateway = _gateway_state(config, metrics, registry, upstream, prefix)
+        state = _gateway_state(config, metrics, registry, upstream, prefix)
+        app.state.gateway = state
         poller = Poller(registry, control_client)
         poller.start()
         resources.push_async_callback(poller.stop)
+        live = start_live_changes(state, prefix, control_client, app.state.config_path)
+        resources.push_async_callback(_stop_tasks, live)
         yield
+
+
+async def _stop_tasks(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _gateway_state(
@@ -119,11 +144,46 @@ def _gateway_state(
     return GatewayState(config, metrics, registry, handler, _models_body(config))
 
 
-def _available(registry: Registry, backend: BackendState) -> float:
-    return float(registry.available(backend))
+def start_live_changes(
+    state: GatewayState, prefix: PrefixServices | None, control: httpx.AsyncClient, config_path: Path | None
+) -> list[asyncio.Task[None]]:
+    """The background tasks that change the gateway while it serves: a discovery source, the load shared
+    with other replicas, config reload."""
+    live = LiveBackends(state, prefix)
+    tasks: list[asyncio.Task[None]] = []
+    discovery = state.config.discovery
+    accelerators = load_catalog().accelerators
+    if discovery.source == "file" and discovery.file is not None:
+        path = discovery.file.path
+        if config_path is not None and not path.is_absolute():
+            path = config_path.parent / path
+        source = FileSource(path, discovery.file.poll_s, state.config, live.submit, accelerators)
+        source.poll()  # the first snapshot before the first request
+        tasks.append(asyncio.create_task(source.run(), name="discovery-file"))
+    elif discovery.source == "kubernetes":
+        kube = KubernetesSource(discovery.kubernetes, state.config, live.submit, accelerators, control)
+        tasks.append(asyncio.create_task(kube.run(), name="discovery-kubernetes"))
+    if state.metrics.multiprocess:
+        tasks.append(asyncio.create_task(state.metrics.refresh_every(1.0), name="metrics-refresh"))
+    index = state.config.index
+    if index.store == "redis" and index.share_load:
+        share = LoadShare.from_url(index.redis_url, index.key_prefix, replica_id(), index.share_ttl_s)
+        shared = SharedLoad(state.registry, share, index.share_interval_s, index.share_ttl_s)
+        tasks.append(asyncio.create_task(shared.run(), name="shared-load"))
+    if config_path is not None:
+        reloader = ConfigReloader(config_path, state, live, read=_read_config)
+        reloader.install_signal()
+        tasks.append(asyncio.create_task(reloader.watch(), name="config-reload"))
+    return tasks
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def _read_config(path: Path) -> GatewayConfig:
+    from gateway.cli import read_config  # the same checks as `serve` at start
+
+    return read_config(str(path))
+
+
+def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAPI:
     # The API docs are served only by an open gateway: with API keys configured they are off (404), so
     # nothing about the deployment is public.
     docs = not config.auth.keys()
@@ -136,6 +196,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         openapi_url="/openapi.json" if docs else None,
     )
     app.state.config = config
+    app.state.config_path = config_path
     install_error_handlers(app)
     app.router.routes.append(Route("/v1/chat/completions", CompletionEndpoint(Kind.CHAT), methods=["POST"]))
     app.router.routes.append(Route("/v1/completions", CompletionEndpoint(Kind.COMPLETIONS), methods=["POST"]))
@@ -175,7 +236,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def metrics(request: Request) -> Response:
         if error := authorized(request):
             return Response(error.body(), status_code=error.status, media_type="application/json")
-        return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(state_of(request).metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -197,5 +258,5 @@ class HotPathApp:
         await self.app(scope, receive, send)
 
 
-def create_asgi_app(config: GatewayConfig) -> HotPathApp:
-    return HotPathApp(create_app(config))
+def create_asgi_app(config: GatewayConfig, config_path: Path | None = None) -> HotPathApp:
+    return HotPathApp(create_app(config, config_path))

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.config import Checks, ConfigError, GatewayConfig, load_config
@@ -44,16 +47,32 @@ def app_from_env() -> HotPathApp:
 
     # `serve` checked the file, tokenizers included, before starting the workers; each worker loads the
     # tokenizers once more for itself (gateway/prefix.py), so they are not loaded twice here.
-    return create_asgi_app(read_config(os.environ[CONFIG_ENV], load_tokenizers=False))
+    path = os.environ[CONFIG_ENV]
+    return create_asgi_app(read_config(path, load_tokenizers=False), Path(path))
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     config = read_config(args.config)
     host = args.host or config.listen.host
     port = config.listen.port if args.port is None else args.port
     os.environ[CONFIG_ENV] = os.path.abspath(args.config)
+    # Several workers: metrics in prometheus-client's multiprocess mode (gateway/metrics.py), in a
+    # fresh folder so no earlier run's files are counted.
+    own_dir = None
+    if args.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        own_dir = tempfile.mkdtemp(prefix="hetgate-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = own_dir
+    try:
+        _run_uvicorn(args, host, port)
+    finally:
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)
+    return 0
+
+
+def _run_uvicorn(args: argparse.Namespace, host: str, port: int) -> None:
+    import uvicorn
+
     uvicorn.run(
         "gateway.cli:app_from_env",
         factory=True,
@@ -68,7 +87,6 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=10,
     )
-    return 0
 
 
 def _epp(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from pydantic import (
     ConfigDict,
     Field,
     HttpUrl,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -182,6 +183,11 @@ class IndexConfig(_Strict):
     ttl_s: Annotated[float, Field(gt=0)] = 600
     deadline_ms: Annotated[float, Field(gt=0)] = 20
     tenant_salt_header: str | None = None
+    # With the Redis store, replicas and workers share their in-flight counts per backend (one round trip
+    # every share_interval_s, off the request path); a replica silent for share_ttl_s is forgotten.
+    share_load: bool = True
+    share_interval_s: Annotated[float, Field(gt=0)] = 0.2
+    share_ttl_s: Annotated[float, Field(gt=0)] = 2.0
 
     @field_validator("redis_url")
     @classmethod
@@ -245,6 +251,30 @@ class Retry(_Strict):
     min_retry_concurrency: Annotated[int, Field(ge=0)] = 3
 
 
+class FileDiscovery(_Strict):
+    path: Path  # a YAML list of backends (the `backends[]` schema); relative paths: to the config file
+    poll_s: Annotated[float, Field(gt=0)] = 1.0
+
+
+class KubernetesDiscovery(_Strict):
+    """Model-server pods found by label selector in one namespace, through the API server's list+watch."""
+
+    namespace: str | None = None  # default: the gateway pod's own namespace (service-account mount)
+    label_selector: Annotated[str, Field(min_length=1)] = "app.kubernetes.io/component=model-server"
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000  # vLLM's port (annotation hetgate.io/port wins)
+    model: str | None = None  # model of pods without a hetgate.io/model label (else: asked of /v1/models)
+    api_server: str | None = None  # default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
+    token_file: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+    ca_file: Path | None = Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+    watch_timeout_s: Annotated[int, Field(ge=1)] = 300  # the server ends each watch; it is resumed
+
+
+class Discovery(_Strict):
+    source: Literal["static", "file", "kubernetes"] = "static"
+    file: FileDiscovery | None = None
+    kubernetes: KubernetesDiscovery = KubernetesDiscovery()
+
+
 class Auth(_Strict):
     api_keys: tuple[str, ...] = ()
     api_keys_env: str | None = None
@@ -257,7 +287,8 @@ class Auth(_Strict):
 class GatewayConfig(_Strict):
     listen: Listen = Listen()
     models: Annotated[tuple[ModelConfig, ...], Field(min_length=1)]
-    backends: Annotated[tuple[BackendConfig, ...], Field(min_length=1)]
+    backends: tuple[BackendConfig, ...] = ()  # with discovery `static`: at least one
+    discovery: Discovery = Discovery()
     routing: Routing = Routing()
     index: IndexConfig = IndexConfig()
     timeouts: Timeouts = Timeouts()
@@ -269,6 +300,12 @@ class GatewayConfig(_Strict):
     @model_validator(mode="after")
     def _cross_references(self) -> GatewayConfig:
         problems = list(_duplicates("models", (m.name for m in self.models), "name"))
+        if self.discovery.source == "static" and not self.backends:
+            problems.append("backends: at least one backend is needed with discovery.source 'static'")
+        if self.discovery.source == "file" and self.discovery.file is None:
+            problems.append("discovery.file: required by discovery.source 'file' (path: FILE)")
+        if (known := self.discovery.kubernetes.model) and known not in {m.name for m in self.models}:
+            problems.append(f"discovery.kubernetes.model: unknown model {known!r}")
         problems += _duplicates("backends", (b.id for b in self.backends), "id")
         names = {m.name for m in self.models}
         if self.routing.policy == "cost":
@@ -305,7 +342,7 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _format(error: ValidationError) -> str:
+def _format(error: ValidationError, root: str = "") -> str:
     items = [(_loc(item["loc"]), item) for item in error.errors()]
     failed = [loc for loc, _ in items]
     lines = []
@@ -316,6 +353,7 @@ def _format(error: ValidationError) -> str:
             continue
         message = item["msg"].removeprefix("Value error, ")
         path = _path(loc)
+        path = root + ("" if not path else path if path.startswith("[") else "." + path) if root else path
         lines.append(f"{path}: {message}" if path else message)
     return "\n".join(dict.fromkeys(lines))  # each error once
 
@@ -330,6 +368,36 @@ def parse_config(data: Any, checks: Checks | None = None) -> GatewayConfig:
         return GatewayConfig.model_validate(data, context=checks or Checks())
     except ValidationError as error:
         raise ConfigError(_format(error)) from None
+
+
+_BACKEND_LIST = TypeAdapter(tuple[BackendConfig, ...])
+
+
+def parse_backends(
+    data: Any, config: GatewayConfig, known_accelerators: Iterable[str] | None = None
+) -> tuple[BackendConfig, ...]:
+    """A backend list from a discovery source, checked as `backends[]` of `config` would be."""
+    try:
+        backends = _BACKEND_LIST.validate_python(data if data is not None else ())
+    except ValidationError as error:
+        raise ConfigError(_format(error, root="backends")) from None
+    names = {m.name for m in config.models}
+    problems = list(_duplicates("backends", (b.id for b in backends), "id"))
+    problems += [
+        f"backends[{i}].model: unknown model {b.model!r}"
+        for i, b in enumerate(backends)
+        if b.model not in names
+    ]
+    if known_accelerators is not None:
+        known = set(known_accelerators)
+        problems += [
+            f"backends[{i}].accelerator: unknown accelerator {b.accelerator!r}"
+            for i, b in enumerate(backends)
+            if b.accelerator not in known
+        ]
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return backends
 
 
 def load_config(path: str | Path, checks: Checks | None = None) -> GatewayConfig:

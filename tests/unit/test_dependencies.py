@@ -20,10 +20,14 @@ LOCAL = {"gateway", "scoring", "kvindex", "bench", "hetgate_configs", "tests"}
 # Imported only inside `try: ... except ImportError` with a fallback: not a requirement.
 OPTIONAL = {"uvloop"}
 # Files that run in another environment or need an extra, and what they may use beyond the base.
+# A key ending in "/" covers a folder.
 EXTRA_FOR = {
-    "bench/locustfile.py": "bench",  # `hetgate bench` load generation with locust
-    "bench/seed_case.py": "bench",  # --plot draws with matplotlib
-    "bench/policies.py": "bench",  # --plot draws with matplotlib
+    "bench/locustfile.py": ("bench",),  # `hetgate bench` load generation with locust
+    "bench/seed_case.py": ("bench",),  # --plot draws with matplotlib
+    "bench/policies.py": ("bench",),  # --plot draws with matplotlib
+    "gateway/epp/": ("epp",),  # `hetgate epp`: gRPC, Envoy's protos (pip install 'hetgate[epp]')
+    "tests/epp/": ("test", "epp"),
+    "tests/unit/test_epp_protocol.py": ("test", "epp"),
 }
 OTHER_ENVIRONMENT = {"tests/e2e/build_tiny_model.py"}  # runs in the vLLM venv (torch, transformers)
 
@@ -62,12 +66,19 @@ def _undeclared(folders: tuple[str, ...], default_group: str) -> list[str]:
             rel = str(path.relative_to(ROOT))
             if rel in OTHER_ENVIRONMENT:
                 continue
-            allowed = declared[EXTRA_FOR.get(rel, default_group)]
+            allowed = _allowed(declared, rel, default_group)
             for module in sorted(_imports(path, local)):
                 dists = {_name(d) for d in providers.get(module, [])}
                 if not dists & allowed:
                     missing.append(f"{rel}: {module} (installed from {sorted(dists) or 'nothing'})")
     return missing
+
+
+def _allowed(declared: dict[str, set[str]], rel: str, default_group: str) -> set[str]:
+    for key, extras in EXTRA_FOR.items():
+        if rel == key or (key.endswith("/") and rel.startswith(key)):
+            return set().union(*(declared[e] for e in extras))
+    return declared[default_group]
 
 
 def test_shipped_code_imports_only_base_dependencies() -> None:

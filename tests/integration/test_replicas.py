@@ -1,0 +1,102 @@
+"""Gateway replicas that share the Redis store balance as one gateway does, and a crashed replica's
+requests stop counting within the share's TTL."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+
+from bench.sim.simple_engine import SimpleEngineConfig
+from tests.integration.conftest import backend, chat_body, config, metric
+from tests.redis_server import redis_server_factory
+
+__all__ = ["redis_server_factory"]
+
+# Streams of ~6 s: every request of a test is still in flight when the next one is routed.
+LONG = SimpleEngineConfig(ttft_base_s=0.002, prefill_token_s=0.00001, tpot_s=0.02)
+
+
+def shared_config(sims: list, redis_url: str, share: bool = True) -> dict:
+    return config(
+        [backend(s, name) for s, name in zip(sims, "ab", strict=True)],
+        routing={"policy": "least_load"},
+        index={"store": "redis", "redis_url": redis_url, "key_prefix": "r", "share_load": share},
+        # vLLM's own running counts (polled) would hide the gateways' view: poll them rarely here.
+        health={"metrics_interval_s": 60},
+    )
+
+
+def until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def cluster_in_flight(gw) -> float:
+    return metric(gw.url, "hetgate:backend_in_flight_cluster")
+
+
+def open_streams(gateways: list, count: int, stack: contextlib.ExitStack) -> Counter[str]:
+    """`count` long streams, sent to the gateways in turn; each is routed only once the gateway it goes
+    to counts every stream already open. Returns how many each backend got."""
+    client = stack.enter_context(httpx.Client(timeout=30))
+    served: Counter[str] = Counter()
+    for i in range(count):
+        gw = gateways[i % len(gateways)]
+        if len(gateways) > 1:
+            until(lambda gw=gw, i=i: cluster_in_flight(gw) == i)
+        body = chat_body(f"request {i}", stream=True, max_tokens=300)
+        reply = stack.enter_context(client.stream("POST", f"{gw.url}/v1/chat/completions", json=body))
+        assert reply.status_code == 200
+        served[reply.headers["x-hetgate-route"].split("backend=")[1].split(";")[0]] += 1
+    return served
+
+
+def test_two_replicas_balance_as_one_gateway(sim, gateway, redis_server_factory):
+    redis = redis_server_factory()
+    sims = [sim(simple_engine=LONG), sim(simple_engine=LONG)]
+    with contextlib.ExitStack() as stack:
+        alone = open_streams([gateway(shared_config(sims, redis.url))], 6, stack)
+    assert sorted(alone.values()) == [3, 3]
+
+    replicas = [gateway(shared_config(sims, redis.url)), gateway(shared_config(sims, redis.url))]
+    with contextlib.ExitStack() as stack:
+        shared = open_streams(replicas, 6, stack)
+    assert shared == alone
+
+    # The same arrivals without sharing: each replica balances its own slice and both pile onto the
+    # backend their rotation starts with.
+    isolated = [gateway(shared_config(sims, redis.url, share=False)) for _ in range(2)]
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(httpx.Client(timeout=30))
+        served: Counter[str] = Counter()
+        for i in range(6):
+            body = chat_body(f"request {i}", stream=True, max_tokens=300)
+            url = f"{isolated[i % 2].url}/v1/chat/completions"
+            reply = stack.enter_context(client.stream("POST", url, json=body))
+            served[reply.headers["x-hetgate-route"].split("backend=")[1].split(";")[0]] += 1
+    assert sorted(served.values()) == [2, 4]
+
+
+def test_a_crashed_replica_stops_counting_within_the_ttl(sim, gateway, redis_server_factory):
+    redis = redis_server_factory()
+    sims = [sim(simple_engine=LONG), sim(simple_engine=LONG)]
+    survivor = gateway(shared_config(sims, redis.url))
+    doomed = gateway(shared_config(sims, redis.url))
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(httpx.Client(timeout=30))
+        for i in range(2):
+            body = chat_body(f"request {i}", stream=True, max_tokens=300)
+            stack.enter_context(client.stream("POST", f"{doomed.url}/v1/chat/completions", json=body))
+        until(lambda: cluster_in_flight(survivor) == 2)
+        os.killpg(doomed.pid, signal.SIGKILL)
+        started = time.monotonic()
+        until(lambda: cluster_in_flight(survivor) == 0, timeout_s=10)
+    assert time.monotonic() - started < 2.0 + 1.0  # share_ttl_s (2 s) plus a publication or two
