@@ -65,7 +65,8 @@ def retry_conditions(failure: LegFailed) -> frozenset[str]:
     """The `retry_on` values that cover this failure."""
     if failure.kind == "connect":
         return frozenset({"connect-failure", "5xx", "gateway-error"})
-    if failure.kind in ("reset", "timeout", "payload"):  # payload: the body broke before the client saw it
+    # payload: the body broke before the client saw it; redirect: a 3xx, never followed (another host)
+    if failure.kind in ("reset", "timeout", "payload", "redirect"):
         return frozenset({"reset", "5xx", "gateway-error"})
     if failure.kind != "status":
         return frozenset()
@@ -83,7 +84,7 @@ def blame(failure: LegFailed, before_first_byte: bool = True) -> tuple[Verdict |
     """(verdict, certain): what the failure says about the backend, and whether it holds whatever the
     request contained. A verdict that is not certain counts only once a peer served the same request."""
     kind = failure.kind
-    if kind in ("connect", "reset", "payload"):
+    if kind in ("connect", "reset", "payload", "redirect"):
         return Verdict.GATEWAY, True
     if kind == "timeout":
         return (Verdict.GATEWAY, False) if before_first_byte else (None, False)

@@ -58,6 +58,8 @@ def test_sigterm_stops_the_gateway_and_the_simulators():
         if demo.poll() is None:
             demo.kill()
             demo.wait()
+        if demo.stdout is not None:
+            demo.stdout.close()
         for pid in children:  # what this test started, should it fail: never left running
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
