@@ -1,6 +1,6 @@
 """The seam between the simulated vLLM HTTP server and the engine that decides timing.
 
-The HTTP layer (`bench/sim/server.py`) turns an OpenAI request into a `SimRequest`, iterates
+The HTTP layer (`bench/sim/http_server.py`) turns an OpenAI request into a `SimRequest`, iterates
 `Engine.generate` and renders vLLM's JSON/SSE from the `TokenOutput`s. The engine owns all timing,
 batching, prefix caching and KV bookkeeping. Two engines implement it: `SimpleEngine` (fixed
 per-token delays, for functional tests) and the cost-model scheduler (`bench/sim/scheduler.py`).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import http.client
@@ -13,9 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
-from tests.integration.conftest import backend, chat_body, config, metric
+from kvindex.prompt import PromptHasher
+from kvindex.redis import RedisIndex
+from tests.integration.conftest import MODEL, backend, chat_body, config, metric
 from tests.redis_server import redis_server_factory
 
 __all__ = ["redis_server_factory"]
@@ -24,6 +26,7 @@ __all__ = ["redis_server_factory"]
 # Generous for the tests of sharing: a first call of a fresh worker on a busy 2-core machine can outlast
 # 20 ms, and then the guard routes without the index for a second (the load test keeps the real 20 ms).
 SHARING_DEADLINE_MS = 1000
+BLOCK_SIZE = 16  # the backends' default block_size (gateway/config.py)
 
 
 def prefix_config(sims, redis_url: str, deadline_ms: float = SHARING_DEADLINE_MS) -> dict:
@@ -48,10 +51,19 @@ def backend_of(route_header: str) -> str:
     return route_header.rsplit("backend=", 1)[1]
 
 
-def recorded(redis_url: str, backend_id: str) -> int:
-    """Blocks the shared index holds for a backend (its sorted set, see kvindex/redis.py)."""
-    with redis.Redis.from_url(redis_url) as client:
-        return int(client.zcard("{t}:backend:" + backend_id))
+def holds(redis_url: str, backend_id: str, prompt: str) -> bool:
+    """Whether the shared index holds this prompt's first block for the backend, asked the way a gateway
+    asks (same hashes, same store), so a late write of another prompt cannot be mistaken for it."""
+    _, hashes = PromptHasher(MODEL, [BLOCK_SIZE]).features(chat_body(prompt), "chat")
+
+    async def match() -> list[int]:
+        index = RedisIndex.from_url(redis_url, key_prefix="t")
+        try:
+            return await index.match(MODEL, BLOCK_SIZE, hashes[BLOCK_SIZE], [backend_id])
+        finally:
+            await index.close()
+
+    return asyncio.run(match())[0] > 0
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
@@ -64,10 +76,9 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str
 def route_and_wait_for_record(gw, prompt: str, redis_url: str) -> str:
     """Route a prompt never sent before, then wait until the index holds its blocks for the chosen
     backend (the gateway records them right after the response, off the request path)."""
-    before = {f"b{i}": recorded(redis_url, f"b{i}") for i in range(3)}
     chosen = route(gw, prompt)
     backend = backend_of(chosen)
-    wait_until(lambda: recorded(redis_url, backend) > before[backend], what=f"{backend}'s record")
+    wait_until(lambda: holds(redis_url, backend, prompt), what=f"{backend}'s record")
     return chosen
 
 
@@ -192,24 +203,21 @@ def test_redis_failure_under_load_fails_no_request(sim, gateway, redis_server_fa
 def test_index_recovers_when_redis_returns(sim, gateway, redis_server_factory):
     redis_ = redis_server_factory()
     sims = [sim(), sim(), sim()]
-    gw = gateway(prefix_config(sims, redis_.url))
+    gw = gateway(prefix_config(sims, redis_.url, deadline_ms=20))
     redis_.pause()
     assert route(gw, conversation(1)).startswith("mode=aggregated")
     assert metric(gw.url, "hetgate:index_errors_total") > 0
     redis_.resume()
-    # The guard leaves the store alone for retry_after_s, then tries it again: poll until a new
-    # conversation's blocks reach Redis.
+    # The guard leaves the store alone for retry_after_s after a failure, then asks it again: poll with
+    # fresh conversations until one is routed without an index error (a miss is not an error).
     probes = iter(range(100, 10_000))
 
-    def recorded_again() -> bool:
-        before = {f"b{i}": recorded(redis_.url, f"b{i}") for i in range(3)}
-        backend = backend_of(route(gw, conversation(next(probes))))
-        with contextlib.suppress(AssertionError):  # this probe's record never came: send another
-            wait_until(lambda: recorded(redis_.url, backend) > before[backend], timeout_s=0.5)
-            return True
-        return False
+    def index_answers() -> bool:
+        errors = metric(gw.url, "hetgate:index_errors_total")
+        route(gw, conversation(next(probes)))
+        return metric(gw.url, "hetgate:index_errors_total") == errors
 
-    wait_until(recorded_again, what="records in Redis again")
+    wait_until(index_answers, what="the index to answer again")
     for i in range(20, 24):
         chosen = route_and_wait_for_record(gw, conversation(i), redis_.url)
         assert route(gw, conversation(i) + " again") == chosen
