@@ -17,6 +17,7 @@ BENCHMARKS = {
     "index": "bench.index_bench",
     "cache": "bench.cache_bench",
     "des": "bench.des_bench",
+    "soak": "bench.soak",
 }
 
 CONFIG_ENV = "HETGATE_CONFIG"
@@ -42,25 +43,17 @@ def app_from_env():
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from gateway.server import serve
 
     config = read_config(args.config)
-    host = args.host or config.listen.host
-    port = config.listen.port if args.port is None else args.port
     os.environ[CONFIG_ENV] = os.path.abspath(args.config)
-    uvicorn.run(
+    serve(
         "gateway.cli:app_from_env",
-        factory=True,
-        host=host,
-        port=port,
+        host=args.host or config.listen.host,
+        port=config.listen.port if args.port is None else args.port,
         workers=args.workers,
-        loop="uvloop",
-        http="httptools",
-        access_log=False,
-        proxy_headers=False,  # X-Forwarded-* from clients is not trusted; nothing here reads it
-        server_header=False,
         log_level=args.log_level,
-        timeout_graceful_shutdown=10,
+        limits=config.server,
     )
     return 0
 
