@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
+from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.handler import CompletionHandler
@@ -90,6 +91,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.in_flight.labels(backend.id).set_function(lambda b=backend: b.in_flight)
     upstream = Upstream(config.timeouts)
     prefix: PrefixServices | None = await build_prefix_services(config, registry, metrics)
+    admission = Admission(config.admission, lambda reason: metrics.admission_rejections.labels(reason).inc())
+    metrics.admission_active.set_function(lambda: admission.active)
+    metrics.admission_queued.set_function(lambda: admission.queued)
     handler = CompletionHandler(
         registry=registry,
         routers=build_routers(config),
@@ -100,6 +104,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         max_body_bytes=config.limits.max_body_bytes,
         route_header=config.routing.route_header,
         needs_prompt_tokens=config.routing.disaggregation == "auto",
+        admission=admission if admission.enabled else None,  # no limits configured: no cost at all
     )
     app.state.gateway = GatewayState(config, metrics, registry, handler, _models_body(config))
     async with httpx.AsyncClient() as control_client:

@@ -161,7 +161,8 @@ class AdmissionConfig(_Strict):
     tenant_header: str | None = None  # e.g. x-tenant-id: per_tenant limits apply to its value
     per_key: RateLimit = RateLimit()
     per_tenant: RateLimit = RateLimit()
-    max_identities: Annotated[int, Field(ge=1)] = 10000  # keys + tenants tracked at once; 429 above
+    default_max_tokens: Annotated[int, Field(ge=0)] = 1024  # charged to a token bucket when unset
+    max_identities: Annotated[int, Field(ge=1)] = 10000  # keys (or tenants) tracked at once; 429 above
 
     @field_validator("tenant_header")
     @classmethod

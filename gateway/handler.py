@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from gateway.admission import Admission
 from gateway.affinity import Affinity
 from gateway.errors import BodyTooLarge, GatewayError, ModelNotFound, NoBackend, Unauthorized, UpstreamFailed
 from gateway.metrics import GatewayMetrics
@@ -51,6 +52,7 @@ class CompletionHandler:
         max_body_bytes: int,
         route_header: bool,
         needs_prompt_tokens: bool = True,
+        admission: Admission | None = None,
     ) -> None:
         self.registry = registry
         self.routers = routers
@@ -61,6 +63,7 @@ class CompletionHandler:
         self.max_body_bytes = max_body_bytes
         self.route_header = route_header
         self.needs_prompt_tokens = needs_prompt_tokens
+        self.admission = admission
 
     async def __call__(self, kind: Kind, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -85,8 +88,9 @@ class CompletionHandler:
             route_header=self.route_header,
             upstream_body=_upstream_body(request, pool),
         )
+        work = self._serve if self.admission is None else self._admitted
         await _cancel_on_disconnect(
-            self._serve(exchange, pool, send, headers), receive, self._count_disconnect(request)
+            work(exchange, pool, send, headers), receive, self._count_disconnect(request)
         )
 
     def authorize(self, header: bytes | None) -> None:
@@ -118,6 +122,19 @@ class CompletionHandler:
             parts.append(part)
             if not message.get("more_body"):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _admitted(self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes]) -> None:
+        """Admission control (gateway/admission.py: 429 + Retry-After over a limit), then the request."""
+        assert self.admission is not None
+        try:
+            ticket = await self.admission.admit(headers, ex.request)
+        except GatewayError as error:
+            await self._fail(ex, send, error)
+            return
+        try:
+            await self._serve(ex, pool, send, headers)
+        finally:
+            ticket.release()
 
     async def _serve(self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes]) -> None:
         request = ex.request
@@ -183,6 +200,7 @@ class CompletionHandler:
 async def send_error(send: Send, error: GatewayError, route_header: bool) -> None:
     body = error.body()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers.extend(error.headers)
     if route_header:
         headers.append((b"x-hetgate-route", b"mode=none"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})

@@ -75,3 +75,15 @@ class GatewayMetrics:
         self.client_disconnects = Counter(
             "hetgate:client_disconnects", "Requests cancelled by the client", ["model"], registry=r
         )
+        self.admission_rejections = Counter(
+            "hetgate:admission_rejections",
+            "Requests refused with 429 by admission control",
+            ["reason"],
+            registry=r,
+        )
+        self.admission_active = Gauge(
+            "hetgate:admission_active", "Requests holding a global admission slot", registry=r
+        )
+        self.admission_queued = Gauge(
+            "hetgate:admission_queued", "Requests waiting for a global admission slot", registry=r
+        )
