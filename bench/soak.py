@@ -24,16 +24,17 @@ import json
 import os
 import random
 import signal
+import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench.harness import GatewayProcess, free_port
+from bench.harness import GatewayProcess
 from bench.sim.server import SimProcess
 
 MODEL = "soak-model"
@@ -43,11 +44,26 @@ LONG_PROMPT_WORDS = 400  # ~500 estimated tokens: over pd_min_prompt_tokens, so 
 TTFB_S = 2.0
 
 
+def fixed_port() -> int:
+    """A free port below the ephemeral range: a killed backend's port must still be free for its restart
+    (a port in the ephemeral range may meanwhile be taken as the local end of some outgoing connection)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    while True:
+        port = rng.randrange(10000, max(low, 10001))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
 @dataclass(slots=True)
 class Backend:
     id: str
     roles: tuple[str, ...]
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=lambda: fixed_port())
     process: SimProcess | None = None
 
     @property
@@ -59,7 +75,14 @@ class Backend:
         return ["--model", MODEL, "--role", role, "--port", str(self.port), *SIM_TIMING]
 
     def start(self) -> None:
-        self.process = SimProcess(self.args()).start()
+        for attempt in range(10):  # a restart may find the killed server's port briefly still held
+            try:
+                self.process = SimProcess(self.args()).start()
+                return
+            except RuntimeError:
+                if attempt == 9:
+                    raise
+                time.sleep(1.0)
 
     def kill(self) -> None:
         """SIGKILL: no goodbye to open connections, as a crashed server."""
@@ -98,14 +121,18 @@ def gateway_config(backends: list[Backend]) -> dict[str, Any]:
 
 
 # -- the fault schedule ------------------------------------------------------------------------------
-Action = Callable[[dict[str, Backend]], Awaitable[None]]
+Action = Callable[[dict[str, Backend]], Coroutine[Any, Any, None]]
 
 
 def plan(backend_id: str, **faults: Any) -> Action:
     async def apply(backends: dict[str, Backend]) -> None:
         async with aiohttp.ClientSession() as session:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                await session.post(f"{backends[backend_id].url}/sim/faults", json=faults, timeout=2)
+                await session.post(
+                    f"{backends[backend_id].url}/sim/faults",
+                    json=faults,
+                    timeout=aiohttp.ClientTimeout(total=2),
+                )
 
     apply.__name__ = f"{backend_id}: {json.dumps(faults)}"
     return apply

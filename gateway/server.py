@@ -180,10 +180,12 @@ class GuardedProtocol(HttpToolsProtocol):
                 return
             self._reject(408, "The request head was not received in time.")
         elif self.phase == _BODY:
-            if self.flow.read_paused:
+            if self.cycle is not None and self.cycle.response_started:
+                self.transport.close()  # answered without the rest of the body (413): just stop waiting
+            elif self.flow.read_paused:
                 self._arm(self.body_timeout_s)  # the application is not reading: we are the slow side
-                return
-            self._reject(408, "The request body was not received in time.")
+            else:
+                self._reject(408, "The request body was not received in time.")
 
     def _reject(self, status: int, message: str) -> None:
         """Answer and close; keep reading (discarding) a short while so the client sees the answer."""

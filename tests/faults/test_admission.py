@@ -34,7 +34,7 @@ def sim_backend() -> Iterator[SimThread]:
 
 
 def start(sim: SimThread, admission: dict[str, Any], **sections: Any) -> GatewayProcess:
-    return GatewayProcess(config([backend(sim, "a")], admission=admission, **sections)).start()
+    return GatewayProcess(config([backend(sim, "a")], admission=admission, **sections))
 
 
 async def burst(url: str, requests: list[dict[str, str]], max_tokens: int = LONG) -> list[httpx.Response]:

@@ -331,3 +331,16 @@ def test_open_file_soft_limit_is_raised_to_the_hard_limit(sim_backend: SimThread
         assert row.split()[3:5] == [str(hard), str(hard)], row
     finally:
         gateway.stop()
+
+
+def test_early_answer_is_not_followed_by_a_408(gateway: GatewayProcess) -> None:
+    """A body refused by its declared length (413) is not read: the body timeout closes, adds nothing."""
+    with connect(gateway) as sock:
+        sock.sendall(_post_head(100_000_000) + b"{")
+        status, _, body = read_response(sock)
+        assert status == 413, body
+        sock.settimeout(BODY_TIMEOUT_S + 10)
+        rest = b""
+        while chunk := sock.recv(65536):
+            rest += chunk
+        assert rest == b""  # closed, nothing after the 413
