@@ -116,6 +116,9 @@ def gateway_config(backends: list[Backend]) -> dict[str, Any]:
         "routing": {"policy": "least_load", "disaggregation": "auto", "pd_min_prompt_tokens": 256},
         "timeouts": {"connect_s": 1.0, "ttfb_s": TTFB_S, "idle_s": 5.0},
         "limits": {"max_attempts": 3},
+        # The prefix index's TTL is one cycle, so the index is full (steady) once the warm-up is over and its
+        # filling is not counted as growth; with the default 600 s it fills for the first 10 minutes.
+        "index": {"ttl_s": CYCLE_S},
         "health": {"interval_s": 0.5, "timeout_s": 0.5, "failure_threshold": 2, "recovery_s": 2.0},
     }
 

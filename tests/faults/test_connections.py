@@ -28,7 +28,7 @@ from tests.integration.conftest import FAST, MODEL, backend, chat_body, config
 
 POLL_S = 0.02
 # The shared gateway's limits (most scenarios use it: a gateway takes seconds to start on a busy machine).
-HEADER_TIMEOUT_S = 5.0
+HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 1.5
 KEEPALIVE_TIMEOUT_S = 1.5
 
