@@ -122,11 +122,15 @@ class GuardedProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             self._reject(400, "Invalid HTTP request received.")
             return
+        # Timers are armed only when a read leaves a head or body incomplete (rare): a request that arrives
+        # in one read costs no timer at all.
         if self.phase == _HEAD:
             # Still in a head: count the raw bytes before httptools has to concatenate any more of them.
             self.head_bytes += len(data)
             if self.head_bytes > self.max_header_bytes:
                 self._reject(431, f"The request head exceeds {self.max_header_bytes} bytes.")
+            elif self.timer is None:
+                self._arm(self.header_timeout_s)
         elif self.phase == _BODY and self.timer is None:
             self._arm(self.body_timeout_s)  # the body did not arrive with its head: it has a deadline
 
@@ -135,11 +139,10 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.phase = _HEAD
         self.head_bytes = 0
-        if self.timer is None:
-            self._arm(self.header_timeout_s)
 
     def on_headers_complete(self) -> None:
-        self._disarm()
+        if self.timer is not None:
+            self._disarm()
         if len(self.headers) > self.max_headers:
             raise _Reject(431, f"The request has more than {self.max_headers} headers.")
         if self.head_bytes + self.chunk_len > self.max_header_bytes and self._head_size() > (
@@ -154,7 +157,8 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self.phase = _IDLE
-        self._disarm()
+        if self.timer is not None:
+            self._disarm()
         super().on_message_complete()
 
     def _head_size(self) -> int:
