@@ -309,8 +309,9 @@ async def soak(
     schedule_log: list[str] = []
     load_task = asyncio.create_task(load(gateway.url, args.concurrency, until, args.seed))
     schedule = asyncio.create_task(run_schedule(backends, until, schedule_log))
-    # The starting figures once every path (faults included) ran once: one cycle, or a quarter of a short run.
-    await asyncio.sleep(min(CYCLE_S, args.minutes * 15))
+    # The starting figures once every path (faults included) ran and the allocator and the prefix index have
+    # settled: a fifth of the run, at least one cycle (or a quarter of a run shorter than two minutes).
+    await asyncio.sleep(min(max(CYCLE_S, args.minutes * 12), args.minutes * 15))
     rss_start, fds_start = process_figures(gateway.pid)
     samples = asyncio.create_task(sample_rss(gateway.pid, until))
     await schedule

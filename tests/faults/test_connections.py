@@ -344,3 +344,15 @@ def test_early_answer_is_not_followed_by_a_408(gateway: GatewayProcess) -> None:
         while chunk := sock.recv(65536):
             rest += chunk
         assert rest == b""  # closed, nothing after the 413
+
+
+def test_slow_head_on_a_kept_alive_connection_gets_408(gateway: GatewayProcess) -> None:
+    """The header timeout also covers the second request of a connection, from its first byte."""
+    with connect(gateway) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\n")  # and the rest never comes
+        started = time.monotonic()
+        status, _, body = read_response(sock, timeout_s=HEADER_TIMEOUT_S + 10)
+        assert_openai_error(status, body, 408)
+        assert time.monotonic() - started >= HEADER_TIMEOUT_S * 0.9
