@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import Route
 
+from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.decision import build_routers
 from gateway.discovery import FileSource, KubernetesSource
@@ -127,6 +128,9 @@ def _gateway_state(
     prefix: PrefixServices | None,
 ) -> GatewayState:
     routers = build_routers(config)
+    admission = Admission(config.admission, lambda reason: metrics.admission_rejections.labels(reason).inc())
+    metrics.admission_active.set_function(lambda: admission.active)
+    metrics.admission_queued.set_function(lambda: admission.queued)
     handler = CompletionHandler(
         registry=registry,
         routers=routers,
@@ -140,6 +144,7 @@ def _gateway_state(
         needs_prompt_tokens=config.routing.disaggregation == "auto"
         or any(r.uses_prefix_index for r in routers.values()),
         reject_internal_fields=config.limits.internal_fields == "reject",
+        admission=admission if admission.enabled else None,  # no limits configured: no cost at all
     )
     return GatewayState(config, metrics, registry, handler, _models_body(config))
 

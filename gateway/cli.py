@@ -25,6 +25,7 @@ BENCHMARKS = {
     "cache": ("bench.cache_bench", "prefix-cache hit rate and TTFT per routing policy on the Mooncake trace"),
     "des": ("bench.des_bench", "speed of the discrete-event simulator (requests simulated per CPU second)"),
     "policies": ("bench.policies", "policies x scenarios x rates: goodput, SLO capacity, fluid bound"),
+    "soak": ("bench.soak", "minutes of mixed load with backend faults: lost requests, RSS and fd growth"),
 }
 
 CONFIG_ENV = "HETGATE_CONFIG"
@@ -52,9 +53,9 @@ def app_from_env() -> HotPathApp:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+
     config = read_config(args.config)
-    host = args.host or config.listen.host
-    port = config.listen.port if args.port is None else args.port
     os.environ[CONFIG_ENV] = os.path.abspath(args.config)
     # Several workers: metrics in prometheus-client's multiprocess mode (gateway/metrics.py), in a
     # fresh folder so no earlier run's files are counted.
@@ -63,30 +64,18 @@ def _serve(args: argparse.Namespace) -> int:
         own_dir = tempfile.mkdtemp(prefix="hetgate-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = own_dir
     try:
-        _run_uvicorn(args, host, port)
+        serve(
+            "gateway.cli:app_from_env",
+            host=args.host or config.listen.host,
+            port=config.listen.port if args.port is None else args.port,
+            workers=args.workers,
+            log_level=args.log_level,
+            limits=config.server,
+        )
     finally:
         if own_dir:
             shutil.rmtree(own_dir, ignore_errors=True)
     return 0
-
-
-def _run_uvicorn(args: argparse.Namespace, host: str, port: int) -> None:
-    import uvicorn
-
-    uvicorn.run(
-        "gateway.cli:app_from_env",
-        factory=True,
-        host=host,
-        port=port,
-        workers=args.workers,
-        loop="uvloop",
-        http="httptools",
-        access_log=False,
-        proxy_headers=False,  # X-Forwarded-* from clients is not trusted; nothing here reads it
-        server_header=False,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=10,
-    )
 
 
 def _epp(args: argparse.Namespace) -> int:

@@ -284,6 +284,43 @@ class Auth(_Strict):
         return self.api_keys + tuple(k.strip() for k in from_env.split(",") if k.strip())
 
 
+class ServerConfig(_Strict):
+    """Client connection hygiene (gateway/server.py); counted per gateway process."""
+
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024  # request line + headers; 431 above
+    max_headers: Annotated[int, Field(ge=1)] = 100  # 431 above (Envoy's max_headers_count)
+    header_timeout_s: Annotated[float, Field(gt=0)] = 10.0  # head complete within this: 408 otherwise
+    body_timeout_s: Annotated[float, Field(gt=0)] = 60.0  # whole body within this of its head: 408
+    keepalive_timeout_s: Annotated[float, Field(gt=0)] = 30.0  # an idle kept-alive connection is closed
+    max_connections: Annotated[int, Field(ge=1)] = 4096  # open client connections; 503 above
+
+
+class RateLimit(_Strict):
+    """Limits for one API key or one tenant; 0 switches a limit off."""
+
+    max_concurrent: Annotated[int, Field(ge=0)] = 0  # requests admitted or queued at once
+    tokens_per_s: Annotated[float, Field(ge=0)] = 0  # refill of prompt-estimate + max_tokens
+    burst_tokens: Annotated[int, Field(ge=0)] = 0  # bucket size (0: 10 s of tokens_per_s)
+
+
+class AdmissionConfig(_Strict):
+    """Admission control (gateway/admission.py): 429 + Retry-After instead of unbounded queueing."""
+
+    max_concurrent: Annotated[int, Field(ge=0)] = 0  # requests served at once per process (0: no bound)
+    max_queued: Annotated[int, Field(ge=0)] = 0  # waiting for a slot beyond max_concurrent; 429 above
+    queue_timeout_s: Annotated[float, Field(gt=0)] = 10.0  # a queued request waits at most this: 429
+    tenant_header: str | None = None  # e.g. x-tenant-id: per_tenant limits apply to its value
+    per_key: RateLimit = RateLimit()
+    per_tenant: RateLimit = RateLimit()
+    default_max_tokens: Annotated[int, Field(ge=0)] = 1024  # charged to a token bucket when unset
+    max_identities: Annotated[int, Field(ge=1)] = 10000  # keys (or tenants) tracked at once; 429 above
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _lower(cls, name: str | None) -> str | None:
+        return name.lower() if name else None
+
+
 class GatewayConfig(_Strict):
     listen: Listen = Listen()
     models: Annotated[tuple[ModelConfig, ...], Field(min_length=1)]
@@ -296,6 +333,8 @@ class GatewayConfig(_Strict):
     health: Health = Health()
     retry: Retry = Retry()
     auth: Auth = Auth()
+    server: ServerConfig = ServerConfig()
+    admission: AdmissionConfig = AdmissionConfig()
 
     @model_validator(mode="after")
     def _cross_references(self) -> GatewayConfig:

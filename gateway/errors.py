@@ -5,6 +5,7 @@
      +-- Unauthorized          401: missing or wrong gateway API key
      +-- ModelNotFound         404: a model the configuration does not serve
      +-- BodyTooLarge          413: over limits.max_body_bytes
+     +-- RateLimited           429: over an admission limit (with Retry-After)
      +-- NoBackend             503: no healthy backend for the model
      +-- UpstreamFailed        502/504: every attempt failed (the body never names a backend URL)
 
@@ -17,6 +18,7 @@ the handlers `install_error_handlers` registers.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 
 import orjson
@@ -42,6 +44,7 @@ _TYPES = {
 class GatewayError(Exception):
     status = 500
     type = "InternalServerError"
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # extra response headers (Retry-After)
 
     def __init__(self, message: str, param: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
@@ -72,6 +75,16 @@ class ModelNotFound(GatewayError):
 class BodyTooLarge(GatewayError):
     status = 413
     type = "RequestEntityTooLarge"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, reason: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.reason = reason  # a small fixed set: the admission_rejections metric label
+        self.headers = ((b"retry-after", str(max(1, math.ceil(retry_after_s))).encode()),)
 
 
 class NoBackend(GatewayError):

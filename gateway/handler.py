@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from gateway.admission import Admission
 from gateway.affinity import Affinity
 from gateway.errors import (
     BadRequest,
@@ -73,6 +74,7 @@ class CompletionHandler:
         route_header: bool,
         needs_prompt_tokens: bool = True,
         reject_internal_fields: bool = False,
+        admission: Admission | None = None,
     ) -> None:
         self.registry = registry
         self.routers = routers
@@ -84,6 +86,7 @@ class CompletionHandler:
         self.route_header = route_header
         self.needs_prompt_tokens = needs_prompt_tokens
         self.reject_internal_fields = reject_internal_fields
+        self.admission = admission
 
     async def __call__(self, kind: Kind, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -112,8 +115,9 @@ class CompletionHandler:
             route_header=self.route_header,
             upstream_body=upstream_body,
         )
+        work = self._serve if self.admission is None else self._admitted
         await _cancel_on_disconnect(
-            self._serve(exchange, pool, send, headers, slo), receive, self._count_disconnect(request)
+            work(exchange, pool, send, headers, slo), receive, self._count_disconnect(request)
         )
 
     def authorize(self, header: bytes | None) -> None:
@@ -145,6 +149,21 @@ class CompletionHandler:
             parts.append(part)
             if not message.get("more_body"):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _admitted(
+        self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes], slo: Slo = (None, None)
+    ) -> None:
+        """Admission control (gateway/admission.py: 429 + Retry-After over a limit), then the request."""
+        assert self.admission is not None
+        try:
+            ticket = await self.admission.admit(headers, ex.request)
+        except GatewayError as error:
+            await self._fail(ex, send, error)
+            return
+        try:
+            await self._serve(ex, pool, send, headers, slo)
+        finally:
+            ticket.release()
 
     def _upstream_body(self, request: ParsedRequest, pool: ModelPool) -> bytes:
         """The body sent upstream: the client's bytes unless a field must go or the model is renamed."""
@@ -273,6 +292,7 @@ def _slo_override(headers: dict[bytes, bytes]) -> tuple[float | None, float | No
 async def send_error(send: Send, error: GatewayError, route_header: bool) -> None:
     body = error.body()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers.extend(error.headers)
     if route_header:
         headers.append((b"x-hetgate-route", b"mode=none"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})

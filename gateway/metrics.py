@@ -174,6 +174,24 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.admission_rejections = Counter(
+            "hetgate:admission_rejections",
+            "Requests refused with 429 by admission control",
+            ["reason"],
+            registry=r,
+        )
+        self.admission_active = Gauge(
+            "hetgate:admission_active",
+            "Requests holding a global admission slot",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.admission_queued = Gauge(
+            "hetgate:admission_queued",
+            "Requests waiting for a global admission slot",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
 
     def initialise(self, models: Iterable[str]) -> None:
         """Create every series whose labels are known at start, at 0, so dashboards and alerts see a
