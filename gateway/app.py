@@ -202,6 +202,7 @@ def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAP
     )
     app.state.config = config
     app.state.config_path = config_path
+    app.state.draining = False  # set on SIGTERM (HotPathApp.begin_drain)
     install_error_handlers(app)
     app.router.routes.append(Route("/v1/chat/completions", CompletionEndpoint(Kind.CHAT), methods=["POST"]))
     app.router.routes.append(Route("/v1/completions", CompletionEndpoint(Kind.COMPLETIONS), methods=["POST"]))
@@ -230,10 +231,11 @@ def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAP
     async def ready(request: Request) -> Response:
         state = state_of(request)
         waiting = [m.name for m in state.config.models if not state.registry.any_ready(m.name)]
-        status = 503 if waiting else 200
+        draining = request.app.state.draining
+        ready = not waiting and not draining
         return Response(
-            orjson.dumps({"ready": not waiting, "models_without_backend": waiting}),
-            status,
+            orjson.dumps({"ready": ready, "draining": draining, "models_without_backend": waiting}),
+            200 if ready else 503,
             media_type="application/json",
         )
 
@@ -253,6 +255,10 @@ class HotPathApp:
     def __init__(self, app: FastAPI) -> None:
         self.app = app
         self._hot = {Kind.CHAT.path: Kind.CHAT, Kind.COMPLETIONS.path: Kind.COMPLETIONS}
+
+    def begin_drain(self) -> None:
+        """SIGTERM (gateway/server.py): report not ready, so traffic moves elsewhere before we stop."""
+        self.app.state.draining = True
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

@@ -293,6 +293,11 @@ class ServerConfig(_Strict):
     body_timeout_s: Annotated[float, Field(gt=0)] = 60.0  # whole body within this of its head: 408
     keepalive_timeout_s: Annotated[float, Field(gt=0)] = 30.0  # an idle kept-alive connection is closed
     max_connections: Annotated[int, Field(ge=1)] = 4096  # open client connections; 503 above
+    # On SIGTERM: /ready answers 503 at once and new requests are still served for drain_grace_s (so load
+    # balancers and Kubernetes endpoints stop sending here first); then the listener closes and requests in
+    # flight get up to drain_timeout_s to finish.
+    drain_grace_s: Annotated[float, Field(ge=0)] = 5.0
+    drain_timeout_s: Annotated[float, Field(gt=0)] = 60.0
 
 
 class RateLimit(_Strict):

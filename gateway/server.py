@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-from typing import Any
+import socket
+from types import FrameType
+from typing import Any, Protocol, runtime_checkable
 
 import httptools
 import uvicorn
@@ -225,6 +227,47 @@ def check_fd_budget(limits: ServerConfig, fd_limit: int) -> None:
         )
 
 
+@runtime_checkable
+class Drainable(Protocol):
+    """An app that can stop reporting ready (gateway/app.py's HotPathApp)."""
+
+    def begin_drain(self) -> None: ...
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a graceful drain, as a load balancer's backend should stop.
+
+    The first SIGTERM (or SIGINT) turns `/ready` to 503 at once while requests keep being served for
+    `drain_grace_s`, so load balancers and Kubernetes endpoints take this process out before it stops
+    listening; then uvicorn's own shutdown closes the listener, lets requests in flight finish for up to
+    `drain_timeout_s`, and exits. A second signal exits at once, as uvicorn does.
+    """
+
+    draining = False
+    _loop: asyncio.AbstractEventLoop | None = None  # set once serving: signals arrive on another stack
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self.draining = True
+        self._loop.call_soon_threadsafe(self._begin_drain, sig, frame)
+
+    def _begin_drain(self, sig: int, frame: FrameType | None) -> None:
+        app = self.config.loaded_app
+        if isinstance(app, Drainable):
+            app.begin_drain()
+        assert isinstance(self.config, HetgateUvicornConfig)
+        grace = self.config.server_limits.drain_grace_s
+        log.warning("draining: not ready now, closing the listener in %.1f s", grace)
+        assert self._loop is not None
+        self._loop.call_later(grace, super().handle_exit, sig, frame)
+
+
 def serve(app: str, host: str, port: int, workers: int, log_level: str, limits: ServerConfig) -> None:
     """uvicorn.run, with our protocol class and limits (the config is pickled into each worker)."""
     check_fd_budget(limits, raise_fd_limit())
@@ -243,10 +286,10 @@ def serve(app: str, host: str, port: int, workers: int, log_level: str, limits: 
         server_header=False,
         log_level=log_level,
         timeout_keep_alive=limits.keepalive_timeout_s,
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=max(1, round(limits.drain_timeout_s)),
         server_limits=limits,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config)
     if workers > 1:
         Multiprocess(config, sockets=[config.bind_socket()]).run()
     else:
