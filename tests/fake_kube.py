@@ -84,6 +84,7 @@ class FakeKubeApi:
         self._call(self._stop())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._loop.close()  # its self-pipe sockets, which would otherwise be left to the GC
 
     async def _start(self) -> None:
         self._changed = asyncio.Condition()
