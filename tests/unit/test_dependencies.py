@@ -25,6 +25,8 @@ EXTRA_FOR = {
     "bench/seed_case.py": "bench",  # --plot draws with matplotlib
     "bench/policies.py": "bench",  # --plot draws with matplotlib
 }
+# `hetgate epp` and its tests need the `epp` extra (gRPC, Envoy's protos); `serve` never imports them.
+EPP_PARTS = ("gateway/epp/", "tests/epp/", "tests/unit/test_epp_protocol.py")
 OTHER_ENVIRONMENT = {"tests/e2e/build_tiny_model.py"}  # runs in the vLLM venv (torch, transformers)
 
 
@@ -63,6 +65,8 @@ def _undeclared(folders: tuple[str, ...], default_group: str) -> list[str]:
             if rel in OTHER_ENVIRONMENT:
                 continue
             allowed = declared[EXTRA_FOR.get(rel, default_group)]
+            if rel.startswith(EPP_PARTS):
+                allowed = allowed | declared["epp"]
             for module in sorted(_imports(path, local)):
                 dists = {_name(d) for d in providers.get(module, [])}
                 if not dists & allowed:
