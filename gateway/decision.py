@@ -6,11 +6,13 @@ itself (proxy.py); `epp` hands the plan to Envoy as `x-gateway-destination-endpo
 `Decider.decide`, the same request in the same state gets the same plan in either shape.
 
 After the request, `served` records what the chosen backends now hold (approximate prefix mode) and
-`learn` feeds a measured TTFT back to the router (the cost policy calibrates its model with it).
+`learn` feeds a measured TTFT back to a router that learns (the cost policy calibrates its model with it,
+against the prediction it planned with).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,17 +20,47 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gateway.config import GatewayConfig
-from gateway.errors import ModelNotFound, NoBackend
+from gateway.errors import BadRequest, ModelNotFound, NoBackend
 from gateway.metrics import GatewayMetrics
 from gateway.registry import BackendState, ModelPool, Registry
 from gateway.schemas import ParsedRequest, estimate_prompt_tokens
 from scoring.catalog import load_catalog
 from scoring.cost_policy import Slo
+from scoring.load import leg_load
 from scoring.router import build_router
-from scoring.types import Candidates, Mode, Outcome, RequestFeatures, RoutePlan, Router
+from scoring.types import Candidates, LegLoad, Mode, Outcome, RequestFeatures, RoutePlan, Router
 
 if TYPE_CHECKING:
     from gateway.affinity import Affinity
+
+
+SloOverride = tuple[float | None, float | None]  # per-request TTFT and TPOT objectives, s (None: the model's)
+NO_SLO_OVERRIDE: SloOverride = (None, None)
+_SLO_HEADERS = (b"x-hetgate-slo-ttft-ms", b"x-hetgate-slo-tpot-ms")
+
+
+def slo_override(headers: dict[bytes, bytes]) -> SloOverride:
+    """The request's own SLO from its headers (milliseconds), for policies that plan for one (`cost`).
+    Raises BadRequest for a value that is not a positive number."""
+    values: list[float | None] = []
+    for name in _SLO_HEADERS:
+        raw = headers.get(name)
+        if raw is None:
+            values.append(None)
+            continue
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = -1.0
+        if not 0 < ms < 1e9:  # also rejects nan and inf
+            raise BadRequest(f"{name.decode()} must be a positive number of milliseconds.", name.decode())
+        values.append(ms / 1000.0)
+    return values[0], values[1]
+
+
+def needs_prompt_tokens(config: GatewayConfig, routers: dict[str, Router]) -> bool:
+    """The `auto` split and the policies that price prompts (prefix share, cost) read its length."""
+    return config.routing.disaggregation == "auto" or any(r.uses_prefix_index for r in routers.values())
 
 
 def build_routers(config: GatewayConfig) -> dict[str, Router]:
@@ -72,6 +104,13 @@ class Decision:
     def decode(self) -> list[BackendState]:
         return [self.pool.backends[i] for i in self.plan.decode]
 
+    def leg_load(self, backend: BackendState, leg: str) -> LegLoad:
+        """What a leg of this request (aggregated | prefill | decode) puts on `backend` (scoring/load.py)."""
+        row = self.pool.backends.index(backend)
+        cached = 0 if self.cached is None or not self.features.prompt_tokens else int(self.cached[row])
+        max_tokens = self.request.max_tokens or 1
+        return leg_load(leg, self.features.prompt_tokens, max_tokens, cached)
+
     def utilisation(self, rows: tuple[int, ...]) -> float:
         """The lowest load/capacity among `rows`: 1.0 means even the least busy one is full."""
         c = self.candidates
@@ -102,14 +141,18 @@ class Decider:
     async def decide(
         self,
         request: ParsedRequest,
+        pool: ModelPool,
         headers: dict[bytes, bytes],
+        slo: SloOverride = NO_SLO_OVERRIDE,
         eligible: np.ndarray | None = None,
         started: float | None = None,
     ) -> Decision:
-        """Plan one request. `eligible` (one bool per pool backend) narrows the choice, e.g. to the subset
-        an Envoy gateway allows. Raises ModelNotFound, or NoBackend when nothing can serve."""
-        pool = self.pool_of(request)
+        """Plan one request on `pool` (`pool_of(request)`). `slo` overrides the model's objectives (see
+        `slo_override`); `eligible` (one bool per pool backend) narrows the choice, e.g. to the subset an
+        Envoy gateway allows. Raises NoBackend when nothing can serve."""
         features, cached = await self._features(request, pool, headers)
+        if slo != NO_SLO_OVERRIDE:
+            features = dataclasses.replace(features, slo_ttft_s=slo[0], slo_tpot_s=slo[1])
         candidates = self.registry.candidates(pool, cached)
         if eligible is not None:
             candidates.healthy = candidates.healthy & eligible
@@ -126,7 +169,11 @@ class Decider:
             self.affinity.record(decision.request, decision.pool, decision.features, backends)
 
     def learn(self, decision: Decision, backend: BackendState, ttft_s: float, e2e_s: float) -> None:
-        """Feed a measured TTFT of an aggregated request back to the router (cost-model calibration)."""
+        """Feed the measured TTFT of an aggregated request back to its router, if it learns (the cost
+        policy corrects its model with it, against the prediction it planned with)."""
+        router = self.routers[decision.request.model]
+        if not router.learns:
+            return
         row = decision.pool.backends.index(backend)
         outcome = Outcome(
             backend_id=backend.id,
@@ -136,8 +183,10 @@ class Decider:
             output_tokens=0,
             ttft_s=ttft_s,
             e2e_s=e2e_s,
+            predicted=decision.plan.predicted,
         )
-        self.routers[decision.request.model].observe(outcome)
+        router.observe(outcome)
+        self.metrics.cost_model_error.labels(backend.id).set(router.correction(backend.id))
 
     async def _features(
         self, request: ParsedRequest, pool: ModelPool, headers: dict[bytes, bytes]

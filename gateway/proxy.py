@@ -36,8 +36,8 @@ from gateway.retry import RetryPolicy
 from gateway.schemas import ParsedRequest
 from gateway.sse import EventCutter, EventTooLarge, UsageRewriter
 from gateway.upstream import Leg, LegFailed, Upstream
-from scoring.load import leg_loads
-from scoring.types import LegLoad, Mode
+from scoring.load import leg_load
+from scoring.types import LegLoad
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -82,9 +82,7 @@ class Exchange:
         """What a leg of this request puts on `backend` (leg: aggregated | prefill | decode), by the one
         rule the simulator uses too (scoring/load.py)."""
         cached = self.cached(backend) if self.cached is not None and self.prompt_tokens else 0
-        mode = Mode.AGGREGATED if leg == "aggregated" else Mode.PD
-        first, decode = leg_loads(mode, self.prompt_tokens, self.request.max_tokens or 1, cached)
-        return decode if leg == "decode" and decode is not None else first
+        return leg_load(leg, self.prompt_tokens, self.request.max_tokens or 1, cached)
 
 
 @dataclass(slots=True)

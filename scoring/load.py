@@ -87,6 +87,13 @@ def leg_loads(
     return LegLoad(uncached, max_tokens, prompt_tokens), None
 
 
+def leg_load(leg: str, prompt_tokens: int, max_tokens: int, cached_prefill: int) -> LegLoad:
+    """The `LegLoad` of one leg of a request (leg: aggregated | prefill | decode), by `leg_loads`."""
+    mode = Mode.AGGREGATED if leg == "aggregated" else Mode.PD
+    first, decode = leg_loads(mode, prompt_tokens, max_tokens, cached_prefill)
+    return decode if leg == "decode" and decode is not None else first
+
+
 def load_columns(
     in_flight: np.ndarray,
     running: np.ndarray,

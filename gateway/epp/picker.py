@@ -4,11 +4,17 @@
                         full-duplex mode: held until the body is in, then answered with the route
     request body     -> parse the fields routing reads, decide (gateway/decision.py, shared with `serve`),
                         shed or reject, run the prefill leg of a P/D plan, answer the endpoints
-    response headers -> the endpoint that served: in-flight moved to it, index record, route header
-    stream closed    -> in-flight released
+    response headers -> the endpoint that served: reservation moved to it, outlier verdict, index record,
+                        route header
+    stream closed    -> every reservation released
 
-The in-flight count taken here is the same `Registry` count `serve` keeps, so routing by load works
-alike in both shapes. Errors before a backend is touched are immediate OpenAI-shaped responses.
+Reservations are `serve`'s (Registry.reserve with the LegLoad of `scoring/load.py`): the endpoint Envoy is
+sent to first is reserved when the route is answered (for a P/D plan, the decode pod before the prefill
+leg runs), and moved if Envoy fell back to a later endpoint. The Turn is their one owner: `close` (the
+gRPC stream's `finally`) releases all of them however the stream ended. The served response feeds
+outlier detection through the same `retry` policy as `serve` (gateway/retry.py: 429/503 are backpressure,
+a 5xx no peer served is not counted). Errors before a backend is touched are immediate OpenAI-shaped
+responses.
 """
 
 from __future__ import annotations
@@ -26,13 +32,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import Counter
 
 from gateway.config import GatewayConfig
-from gateway.decision import Decider, Decision
+from gateway.decision import Decider, Decision, slo_override
 from gateway.epp import protocol
 from gateway.epp.pd import PrefillRunner, decode_body, fallback_error
 from gateway.errors import BodyTooLarge, GatewayError, ModelNotFound, NoBackend
 from gateway.metrics import GatewayMetrics
-from gateway.registry import BackendState, ModelPool, Registry
+from gateway.registry import BackendState, ModelPool, Registry, Reservation
+from gateway.retry import RetryPolicy
 from gateway.schemas import Kind, parse_body
+from gateway.upstream import LegFailed
 from scoring.types import Mode
 
 log = logging.getLogger("hetgate.epp")
@@ -71,6 +79,8 @@ class Picker:
         registry: Registry,
         decider: Decider,
         prefill: PrefillRunner,
+        retry_policy: RetryPolicy,
+        failing_statuses: frozenset[int],
         metrics: GatewayMetrics,
         settings: PickerSettings,
     ) -> None:
@@ -78,6 +88,8 @@ class Picker:
         self.registry = registry
         self.decider = decider
         self.prefill = prefill
+        self.retry_policy = retry_policy
+        self.failing_statuses = failing_statuses  # what `serve`'s Upstream counts as a failed attempt
         self.metrics = metrics
         self.settings = settings
         self.calibrations = Counter(
@@ -89,9 +101,9 @@ class Picker:
         self.by_endpoint = {endpoint_of(b): b for b in registry.backends.values()}
         self._streams = 0
 
-    def sample_stream(self) -> bool:
+    def sample_stream(self, model: str) -> bool:
         every = self.settings.calibrate_every
-        if not every:
+        if not every or not self.decider.routers[model].learns:
             return False
         self._streams += 1
         return self._streams % every == 0
@@ -111,7 +123,8 @@ class Turn:
         self.full_duplex = False
         self.routed = False
         self.decision: Decision | None = None
-        self.holding: BackendState | None = None
+        self.reservations: list[Reservation] = []  # every one this request took; released in `close`
+        self.holding: Reservation | None = None  # the endpoint Envoy was sent to (or served from)
         self.prefilled: BackendState | None = None
         self.mode = "aggregated"
         self.note = ""
@@ -136,10 +149,10 @@ class Turn:
         return []
 
     def close(self) -> None:
-        """The stream ended (response done, client gone or Envoy reset): give back the reservation."""
-        if self.holding is not None:
-            self.picker.registry.end(self.holding)
-            self.holding = None
+        """The stream ended (response done, client gone or Envoy reset): give back every reservation."""
+        for reservation in self.reservations:
+            reservation.release()
+        self.holding = None
 
     # -- request ------------------------------------------------------------------------------------------
 
@@ -174,8 +187,6 @@ class Turn:
             order, body = await self._execute(decision)
         except GatewayError as error:
             return [self._reject(error)]
-        self.decision = decision
-        self._hold(order[0])
         endpoints = self.picker.endpoints(order)
         mutation = protocol.destination_mutation(endpoints, None if body is None else len(body))
         if self.full_duplex:
@@ -187,9 +198,11 @@ class Turn:
         if kind is None:
             raise ModelNotFound("Only /v1/chat/completions and /v1/completions are routed by model.")
         request = parse_body(raw, kind)
-        pool = self.picker.decider.pool_of(request)
         headers = {k.encode(): v for k, v in self.headers.items()}
-        decision = await self.picker.decider.decide(request, headers, self._eligible(pool), started)
+        slo = slo_override(headers)
+        pool = self.picker.decider.pool_of(request)
+        decider = self.picker.decider
+        decision = await decider.decide(request, pool, headers, slo, self._eligible(pool), started)
         shed_at = self.picker.settings.shed_at
         if shed_at is not None and decision.utilisation(decision.plan.aggregated) >= shed_at:
             raise Shed("Every backend of this model is at capacity; retry later.")
@@ -210,10 +223,20 @@ class Turn:
         renamed = pool.model.upstream_name != request.model
         if renamed:
             body = {**body, "model": pool.model.upstream_name}
+        self.decision = decision
         if decision.plan.mode is not Mode.PD:
+            self._hold(decision.aggregated[0], "aggregated")
             return decision.aggregated, _dumps(body) if renamed else None
+        # The decode pod is spoken for from the moment the split is planned, not after the prefill.
+        self._hold(decision.decode[0], "decode")
         try:
-            done = await self.picker.prefill.run(request, decision.prefill, self._request_id())
+            done = await self.picker.prefill.run(
+                request,
+                decision.prefill,
+                self._request_id(),
+                lambda backend: decision.leg_load(backend, "prefill"),
+                self.reservations,
+            )
         except GatewayError:
             return self._fall_back(decision), _dumps(body) if renamed else None
         self.mode, self.prefilled = "pd", done.backend
@@ -222,17 +245,19 @@ class Turn:
 
     def _fall_back(self, decision: Decision) -> list[BackendState]:
         model = decision.request.model
+        self._release_hold()
         if self.picker.config.routing.pd_fallback == "fail":
-            self.picker.metrics.fallbacks.labels(model, "fail").inc()
+            self.picker.metrics.fallbacks.labels(model, "fail", "prefill_failed").inc()
             raise fallback_error("prefill_failed")
-        self.picker.metrics.fallbacks.labels(model, "aggregated").inc()
+        self.picker.metrics.fallbacks.labels(model, "aggregated", "prefill_failed").inc()
         self.note = "; fallback=prefill_failed"
+        self._hold(decision.aggregated[0], "aggregated")
         return decision.aggregated
 
     def _bodyless(self) -> pb.ProcessingResponse:
         """GET /v1/models and the like: any available backend answers (least in flight first)."""
-        now, recovery = time.monotonic(), self.picker.registry.health_settings.recovery_s
-        ready = [b for b in self.picker.registry.backends.values() if b.available(now, recovery)]
+        registry = self.picker.registry
+        ready = [b for b in registry.backends.values() if registry.available(b)]
         if not ready:
             return self._reject(NoBackend("No healthy backend is available."))
         ready.sort(key=lambda b: b.in_flight)
@@ -249,11 +274,17 @@ class Turn:
         self.picker.metrics.requests.labels(model, "none", str(error.status)).inc()
         return protocol.immediate(error)
 
-    def _hold(self, backend: BackendState) -> None:
+    def _hold(self, backend: BackendState, leg: str) -> None:
+        """Reserve `backend` for the leg Envoy carries (aggregated | decode), instead of any earlier one."""
+        assert self.decision is not None
+        self._release_hold()
+        self.holding = self.picker.registry.reserve(backend, self.decision.leg_load(backend, leg))
+        self.reservations.append(self.holding)
+
+    def _release_hold(self) -> None:
         if self.holding is not None:
-            self.picker.registry.end(self.holding)
-        self.picker.registry.begin(backend)
-        self.holding = backend
+            self.holding.release()
+            self.holding = None
 
     # -- response -----------------------------------------------------------------------------------------
 
@@ -262,6 +293,8 @@ class Turn:
         served_at = protocol.served_of(message, headers)
         backend = self.picker.by_endpoint.get(served_at) if served_at else None
         decision = self.decision
+        if decision is not None and backend not in decision.pool.backends:
+            backend = None  # not a backend of this model: nothing of it to account for
         if decision is not None and backend is not None:
             self._served(decision, backend, headers.get(":status", b"200"))
         route = self._route_text(backend) if self.picker.config.routing.route_header else None
@@ -269,6 +302,8 @@ class Turn:
         if self._calibrates(decision, backend, headers):
             self.timing = backend
             reply.mode_override.response_body_mode = ProcessingMode.BodySendMode.STREAMED
+        elif decision is not None and not decision.request.stream and self.holding is not None:
+            self.holding.prefill_done()  # a whole reply: the backend's prefill is long over
         return reply
 
     def _calibrates(
@@ -281,29 +316,38 @@ class Turn:
             and self.prefilled is None
             and decision.request.stream
             and headers.get(":status") == b"200"
-            and self.picker.sample_stream()
+            and self.picker.sample_stream(decision.request.model)
         )
 
     def _first_chunk(self) -> None:
         """The first streamed chunk of a sampled reply: its arrival is the TTFT the cost model learns."""
         if self.timing is None or self.decision is None:
             return
+        if self.holding is not None:
+            self.holding.prefill_done()
         elapsed = time.perf_counter() - self.decision.started
         self.picker.decider.learn(self.decision, self.timing, elapsed, elapsed)
         self.picker.calibrations.labels(self.timing.id).inc()
         self.timing = None
 
     def _served(self, decision: Decision, backend: BackendState, status: bytes) -> None:
-        registry = self.picker.registry
-        if backend is not self.holding:  # Envoy fell back to a later endpoint of the list
-            self._hold(backend)
-        if status.startswith(b"5"):
-            registry.record_failure(backend)
-        else:
-            registry.record_success(backend)
+        if self.holding is None or backend is not self.holding.backend:
+            # Envoy fell back to a later endpoint of the list. Why the earlier ones failed (a refused
+            # connection, or a 429/503 that is only backpressure) Envoy does not say, so they are not blamed.
+            self._hold(backend, "decode" if self.prefilled is not None else "aggregated")
+        self._verdict(backend, int(status) if status.isdigit() else 502)
         legs = [self.prefilled, backend] if self.prefilled is not None else [backend]
         self.picker.decider.served(decision, legs)
         self.picker.metrics.requests.labels(decision.request.model, self.mode, status.decode()).inc()
+
+    def _verdict(self, backend: BackendState, status: int) -> None:
+        """Outlier detection as `serve` feeds it: the status seen as `serve`'s Upstream would see it,
+        judged by the same rules (gateway/retry.py `blame`); no other backend served this request."""
+        with self.picker.retry_policy.attempts() as tries:
+            if status in self.picker.failing_statuses:
+                tries.failed(backend, LegFailed("status", True, status))
+            else:
+                tries.succeeded(backend, status)
 
     def _route_text(self, backend: BackendState | None) -> str | None:
         if backend is None or self.decision is None:

@@ -127,7 +127,7 @@ def immediate(error: GatewayError) -> pb.ProcessingResponse:
     headers = pb.HeaderMutation(set_headers=[_set("content-type", b"application/json")])
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=HttpStatus(code=error.status),  # type: ignore[arg-type]  # the enum values are the codes
+            status=HttpStatus(code=error.status),  # the enum values are the codes
             headers=headers,
             body=error.body(),
             details=f"hetgate_epp_{error.status}",

@@ -25,13 +25,14 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.config import GatewayConfig
-from gateway.decision import Decider, build_routers
+from gateway.decision import Decider, build_routers, needs_prompt_tokens
 from gateway.epp.pd import PrefillRunner
 from gateway.epp.picker import Picker, PickerSettings, Turn
 from gateway.metrics import GatewayMetrics
 from gateway.poller import Poller
 from gateway.prefix import build_prefix_services
-from gateway.registry import BackendState, Registry
+from gateway.registry import BackendState, HealthEvent, Registry
+from gateway.retry import RetryPolicy, failing_statuses
 from gateway.upstream import Upstream
 
 log = logging.getLogger("hetgate.epp")
@@ -88,8 +89,7 @@ class Readiness:
         for name in ("readiness", EXT_PROC_SERVICE):
             await self.health.set(name, status)
 
-    def changed(self, backend: BackendState) -> None:
-        log.warning("backend %s is now %s", backend.id, "up" if backend.healthy else "down")
+    def changed(self) -> None:
         task = asyncio.get_running_loop().create_task(self.publish())
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
@@ -102,19 +102,17 @@ async def run(config: GatewayConfig, listen: Listen, settings: PickerSettings) -
     registry = Registry(config, _health_hook(metrics, readiness))
     readiness.watch(registry)
     for backend in registry.backends.values():
-        metrics.healthy.labels(backend.id).set(1)
+        metrics.healthy.labels(backend.id).set_function(_available_of(registry, backend))
         metrics.in_flight.labels(backend.id).set_function(_in_flight_of(backend))
     prefix = await build_prefix_services(config, registry, metrics)
-    upstream = Upstream(config.timeouts)
-    decider = Decider(
-        registry,
-        build_routers(config),
-        metrics,
-        prefix.affinity if prefix else None,
-        needs_prompt_tokens=config.routing.disaggregation == "auto",
-    )
-    prefill = PrefillRunner(config, registry, upstream, metrics)
-    picker = Picker(config, registry, decider, prefill, metrics, settings)
+    failing = failing_statuses(config.retry)
+    upstream = Upstream(config.timeouts, failing, config.limits.max_response_bytes)
+    routers = build_routers(config)
+    affinity = prefix.affinity if prefix else None
+    decider = Decider(registry, routers, metrics, affinity, needs_prompt_tokens(config, routers))
+    retry_policy = RetryPolicy(config.retry, registry, metrics)
+    prefill = PrefillRunner(registry, upstream, retry_policy, metrics)
+    picker = Picker(config, registry, decider, prefill, retry_policy, failing, metrics, settings)
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -143,10 +141,21 @@ def _in_flight_of(backend: BackendState) -> Callable[[], float]:
     return lambda: backend.in_flight
 
 
-def _health_hook(metrics: GatewayMetrics, readiness: Readiness) -> Callable[[BackendState], None]:
-    def changed(backend: BackendState) -> None:
-        metrics.healthy.labels(backend.id).set(1 if backend.healthy else 0)
-        readiness.changed(backend)
+def _available_of(registry: Registry, backend: BackendState) -> Callable[[], float]:
+    return lambda: float(registry.available(backend))
+
+
+def _health_hook(
+    metrics: GatewayMetrics, readiness: Readiness
+) -> Callable[[BackendState, HealthEvent], None]:
+    """As `serve`'s (gateway/app.py): count and log the change, then republish readiness."""
+
+    def changed(backend: BackendState, event: HealthEvent) -> None:
+        metrics.health_changes.labels(backend.id, event.value).inc()
+        if event is HealthEvent.EJECTED:
+            metrics.ejections.labels(backend.id).inc()
+        log.warning("backend %s: %s", backend.id, event.value)
+        readiness.changed()
 
     return changed
 

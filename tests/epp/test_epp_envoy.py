@@ -152,7 +152,9 @@ def test_subset_without_a_known_endpoint_is_503(sim, epp, envoy):
 
 
 def test_no_healthy_backend_is_an_openai_503(sim, epp, envoy):
-    proxy, picker, servers = pool_of(sim, epp, envoy)
+    # Without panic mode, as `serve` (tests/faults/test_health.py): with it, every backend takes traffic.
+    no_panic = {"health": {"panic_threshold_percent": 0}}
+    proxy, picker, servers = pool_of(sim, epp, envoy, cfg_extra=no_panic)
     for server in servers:
         server.stop()
     deadline = time.monotonic() + 10
@@ -279,6 +281,44 @@ def test_failed_prefill_without_fallback_is_502(sim, epp, envoy):
     assert metric(decode.url, "vllm:request_success_total") == 0
 
 
+def test_failed_prefill_attempt_is_retried_on_the_next_prefill_backend(sim, epp, envoy):
+    dead, prefill, decode = sim(role="prefill"), sim(role="prefill"), sim(role="decode")
+    backends = [
+        backend(dead, "p0", ("prefill",), kv_connector="nixl"),
+        backend(prefill, "p1", ("prefill",), kv_connector="nixl"),
+        backend(decode, "d", ("decode",), kv_connector="nixl"),
+    ]
+    dead.stop()
+    cfg = config(backends, routing={"disaggregation": "always"}, health=QUIET_HEALTH)
+    picker = epp(cfg)
+    proxy = envoy(picker.grpc_port, [prefill.url, decode.url])
+    routes = [post(proxy.url).headers["x-hetgate-route"] for _ in range(2)]
+    # Round robin puts the dead prefiller first once; the retry policy (as serve's) moves on to p1.
+    assert routes == ["mode=pd; prefill=p1; decode=d"] * 2
+    assert metric(picker.metrics_url, "hetgate:retries_total") == 1
+    assert metric(picker.metrics_url, "hetgate:upstream_errors_total", backend="p0", kind="connect") == 1
+    assert metric(picker.metrics_url, "hetgate:pd_fallbacks_total") == 0
+
+
+def test_every_reservation_is_released(sim, epp, envoy):
+    proxy, picker, prefill, _ = pd_pool(sim, epp, envoy)
+    assert post(proxy.url).status_code == 200  # P/D: a prefill leg in the EPP, the decode via Envoy
+    prefill.stop()
+    replies: list[httpx.Response] = []
+    slow = threading.Thread(target=lambda: replies.append(post(proxy.url, chat_body(max_tokens=1500))))
+    slow.start()  # the prefill fails: served aggregated by d, held there until Envoy has its answer
+    deadline = time.monotonic() + 10
+    while metric(picker.metrics_url, "hetgate:backend_in_flight", backend="d") < 1:
+        assert time.monotonic() < deadline and slow.is_alive(), "d was never reserved"
+        time.sleep(0.02)
+    slow.join()
+    assert replies[0].headers["x-hetgate-route"].endswith("fallback=prefill_failed")
+    deadline = time.monotonic() + 10
+    while metric(picker.metrics_url, "hetgate:backend_in_flight") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(picker.metrics_url, "hetgate:backend_in_flight") == 0
+
+
 # -- the EPP itself failing ---------------------------------------------------------------------------------
 
 
@@ -380,7 +420,9 @@ def test_grpc_health_follows_the_backends(sim, epp):
 
 def test_sampled_streams_feed_ttft_to_the_cost_model_and_stay_intact(sim, epp, envoy):
     server = sim(simple_engine=SLOW)
-    picker = epp(config([backend(server, "b0")]), "--calibrate-every", "2")
+    cfg = config([backend(server, "b0")], routing={"policy": "cost"})  # a policy that learns
+    cfg["models"][0]["spec"] = "deepseek-r1"
+    picker = epp(cfg, "--calibrate-every", "2")
     # Envoy honours a mode override only when neither body mode is full-duplex.
     proxy = envoy(picker.grpc_port, [server.url], full_duplex=False)
     texts = []
@@ -391,3 +433,5 @@ def test_sampled_streams_feed_ttft_to_the_cost_model_and_stay_intact(sim, epp, e
     post(proxy.url)  # not streamed: never sampled
     assert metric(picker.metrics_url, "hetgate:epp_ttft_samples_total", backend="b0") == 2
     assert all(t.count("data: ") == 8 and t.rstrip().endswith("data: [DONE]") for t in texts)
+    # What it learnt is published as serve publishes it (1.0 would mean nothing was learnt).
+    assert metric(picker.metrics_url, "hetgate:cost_model_error", backend="b0") not in (0.0, 1.0)
