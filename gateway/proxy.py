@@ -1,6 +1,6 @@
 """Execute a RoutePlan: aggregated with retries, or prefill/decode as one transaction with fallbacks.
 
-Rules (see `../shared/docs/reliability-anchors.md`):
+Rules (what nginx and Envoy promise: retry only before the first byte, in-band errors after it):
 - Retry on the next backend of the plan only before any byte reached the client, as `retry` says
   (gateway/retry.py: `retry_on`, `num_retries`, retry budget); each attempt's outcome feeds outlier detection.
 - Once bytes were sent, a failure ends the stream on an event boundary with vLLM's in-band
