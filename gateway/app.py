@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
 from gateway.config import GatewayConfig
-from gateway.decision import build_routers
+from gateway.decision import Decider, build_routers, needs_prompt_tokens
 from gateway.errors import GatewayError, install_error_handlers
 from gateway.handler import CompletionHandler
 from gateway.metrics import GatewayMetrics
@@ -102,18 +102,14 @@ def _gateway_state(
     prefix: PrefixServices | None,
 ) -> GatewayState:
     routers = build_routers(config)
+    affinity = prefix.affinity if prefix else None
     handler = CompletionHandler(
-        registry=registry,
-        routers=routers,
+        decider=Decider(registry, routers, metrics, affinity, needs_prompt_tokens(config, routers)),
         proxy=Proxy(config, registry, upstream, metrics),
         metrics=metrics,
-        affinity=prefix.affinity if prefix else None,
         api_keys=config.auth.keys(),
         max_body_bytes=config.limits.max_body_bytes,
         route_header=config.routing.route_header,
-        # The `auto` split and the policies that price prompts (prefix share, cost) read its length.
-        needs_prompt_tokens=config.routing.disaggregation == "auto"
-        or any(r.uses_prefix_index for r in routers.values()),
         reject_internal_fields=config.limits.internal_fields == "reject",
     )
     return GatewayState(config, metrics, registry, handler, _models_body(config))
