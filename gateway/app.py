@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from gateway.admission import Admission
 from gateway.config import GatewayConfig
-from gateway.decision import build_routers
+from gateway.decision import Decider, build_routers, needs_prompt_tokens
 from gateway.discovery import FileSource, KubernetesSource
 from gateway.errors import GatewayError, install_error_handlers
 from gateway.handler import CompletionHandler
@@ -52,7 +52,9 @@ class GatewayState:
     def reconfigure(self, config: GatewayConfig) -> None:
         """Apply what may change while serving (gateway/live.py): routing, limits, health settings."""
         self.config = config
-        self.handler.routers = build_routers(config)
+        routers = build_routers(config)
+        self.handler.decider.routers = routers
+        self.handler.decider.needs_prompt_tokens = needs_prompt_tokens(config, routers)
         self.handler.max_body_bytes = config.limits.max_body_bytes
         self.handler.route_header = config.routing.route_header
         self.handler.proxy.config = config
@@ -131,18 +133,14 @@ def _gateway_state(
     admission = Admission(config.admission, lambda reason: metrics.admission_rejections.labels(reason).inc())
     metrics.admission_active.set_function(lambda: admission.active)
     metrics.admission_queued.set_function(lambda: admission.queued)
+    affinity = prefix.affinity if prefix else None
     handler = CompletionHandler(
-        registry=registry,
-        routers=routers,
+        decider=Decider(registry, routers, metrics, affinity, needs_prompt_tokens(config, routers)),
         proxy=Proxy(config, registry, upstream, metrics),
         metrics=metrics,
-        affinity=prefix.affinity if prefix else None,
         api_keys=config.auth.keys(),
         max_body_bytes=config.limits.max_body_bytes,
         route_header=config.routing.route_header,
-        # The `auto` split and the policies that price prompts (prefix share, cost) read its length.
-        needs_prompt_tokens=config.routing.disaggregation == "auto"
-        or any(r.uses_prefix_index for r in routers.values()),
         reject_internal_fields=config.limits.internal_fields == "reject",
         admission=admission if admission.enabled else None,  # no limits configured: no cost at all
     )

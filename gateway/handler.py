@@ -3,8 +3,10 @@
 FastAPI's request/response layers cost ~100 us a request (measured, proxy-stack-measurements.md), so the
 two endpoints that carry traffic read the body and write the response on the ASGI interface directly. In
 order: authorize, read the body under the size limit, check the fields we read (schemas.py), find the
-model's pool, look up cached prefixes (the one awaited index call), plan, and proxy. Every error before
-a backend is touched is an OpenAI-shaped JSON error.
+model's pool, decide (gateway/decision.py, the same decision `hetgate epp` makes: features and the one
+awaited index lookup, SLO headers, candidates, plan), and proxy; afterwards record what the backends now
+hold and let a router that learns learn. Every error before a backend is touched is an OpenAI-shaped
+JSON error.
 
 Nothing a client sends steers the infrastructure: fields only the gateway may set (`INTERNAL_FIELDS`) are
 removed from the body (or refused, `limits.internal_fields`), and no client header is forwarded (the
@@ -15,7 +17,6 @@ backend's own key). The request's backend reservations are released in one place
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import hmac
 import os
@@ -27,22 +28,15 @@ from typing import Any
 import orjson
 
 from gateway.admission import Admission
-from gateway.affinity import Affinity
-from gateway.errors import (
-    BadRequest,
-    BodyTooLarge,
-    GatewayError,
-    ModelNotFound,
-    NoBackend,
-    Unauthorized,
-    UpstreamFailed,
-)
+from gateway.decision import Decider, Decision, SloOverride
+from gateway.decision import slo_override as _slo_override
+from gateway.errors import BadRequest, BodyTooLarge, GatewayError, Unauthorized, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Exchange, Proxy
-from gateway.registry import BackendState, ModelPool, Registry
-from gateway.schemas import Kind, ParsedRequest, estimate_prompt_tokens, parse_body
+from gateway.registry import BackendState, ModelPool
+from gateway.schemas import Kind, ParsedRequest, parse_body
 from gateway.upstream import LegFailed
-from scoring.types import Mode, Outcome, Prediction, RequestFeatures, Router
+from scoring.types import Mode
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -64,27 +58,21 @@ class ClientGone(Exception):
 class CompletionHandler:
     def __init__(
         self,
-        registry: Registry,
-        routers: dict[str, Router],
+        decider: Decider,
         proxy: Proxy,
         metrics: GatewayMetrics,
-        affinity: Affinity | None,
         api_keys: tuple[str, ...],
         max_body_bytes: int,
         route_header: bool,
-        needs_prompt_tokens: bool = True,
         reject_internal_fields: bool = False,
         admission: Admission | None = None,
     ) -> None:
-        self.registry = registry
-        self.routers = routers
+        self.decider = decider
         self.proxy = proxy
         self.metrics = metrics
-        self.affinity = affinity
         self.key_digests = tuple(hashlib.sha256(k.encode()).digest() for k in api_keys)
         self.max_body_bytes = max_body_bytes
         self.route_header = route_header
-        self.needs_prompt_tokens = needs_prompt_tokens
         self.reject_internal_fields = reject_internal_fields
         self.admission = admission
 
@@ -98,9 +86,7 @@ class CompletionHandler:
             raw = await self._read_body(headers, receive)
             request = parse_body(raw, kind)
             slo = _slo_override(headers)
-            pool = self.registry.pool(request.model)
-            if pool is None:
-                raise ModelNotFound(f"The model `{request.model}` does not exist.", "model")
+            pool = self.decider.pool_of(request)
             upstream_body = self._upstream_body(request, pool)
         except ClientGone:
             return
@@ -151,7 +137,12 @@ class CompletionHandler:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _admitted(
-        self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes], slo: Slo = (None, None)
+        self,
+        ex: Exchange,
+        pool: ModelPool,
+        send: Send,
+        headers: dict[bytes, bytes],
+        slo: SloOverride = (None, None),
     ) -> None:
         """Admission control (gateway/admission.py: 429 + Retry-After over a limit), then the request."""
         assert self.admission is not None
@@ -180,7 +171,12 @@ class CompletionHandler:
         return orjson.dumps(body)
 
     async def _serve(
-        self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes], slo: Slo = (None, None)
+        self,
+        ex: Exchange,
+        pool: ModelPool,
+        send: Send,
+        headers: dict[bytes, bytes],
+        slo: SloOverride = (None, None),
     ) -> None:
         try:
             await self._route(ex, pool, send, headers, slo)
@@ -188,29 +184,18 @@ class CompletionHandler:
             ex.release_all()  # the one place a request's reservations end, however it ended
 
     async def _route(
-        self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes], slo: Slo
+        self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes], slo: SloOverride
     ) -> None:
-        request = ex.request
         try:
-            features, cached = await self._features(request, pool, headers)
-            if slo != (None, None):
-                features = dataclasses.replace(features, slo_ttft_s=slo[0], slo_tpot_s=slo[1])
-            ex.prompt_tokens = features.prompt_tokens
-            if cached is not None:
-                ex.cached = _cached_lookup(pool, cached)
-            candidates = self.registry.candidates(pool, cached)
-            plan = self.routers[request.model].plan(features, candidates)
-            self.metrics.route_decisions.labels(request.model, plan.mode.value, plan.reason).inc()
-            if not plan.aggregated:
-                raise NoBackend("No healthy backend serves this model.")
-            backends = pool.backends
-            aggregated = [backends[i] for i in plan.aggregated]
-            if plan.mode is Mode.PD:
-                prefill = [backends[i] for i in plan.prefill]
-                decode = [backends[i] for i in plan.decode]
-                await self.proxy.disaggregated(ex, prefill, decode, aggregated, send)
+            decision = await self.decider.decide(ex.request, pool, headers, slo, started=ex.started)
+            ex.prompt_tokens = decision.features.prompt_tokens
+            if decision.cached is not None:
+                ex.cached = _cached_lookup(pool, decision.cached)
+            if decision.plan.mode is Mode.PD:
+                aggregated = decision.aggregated  # the fallback order
+                await self.proxy.disaggregated(ex, decision.prefill, decision.decode, aggregated, send)
             else:
-                await self.proxy.aggregated(ex, aggregated, send)
+                await self.proxy.aggregated(ex, decision.aggregated, send)
         except LegFailed as failure:
             message = _LEG_ERRORS.get(failure.kind, "The backend response broke.")
             await self._fail(ex, send, UpstreamFailed(message))
@@ -218,45 +203,13 @@ class CompletionHandler:
         except GatewayError as error:
             await self._fail(ex, send, error)
             return
-        if self.affinity is not None and ex.served:
-            self.affinity.record(request, pool, features, ex.served)
-        router = self.routers[request.model]
-        if router.learns and ex.ttft_s and ex.mode == "aggregated":
-            self._learn(ex, pool, features, cached, router, plan.predicted)
+        self._after(ex, decision)
 
-    def _learn(
-        self,
-        ex: Exchange,
-        pool: ModelPool,
-        features: RequestFeatures,
-        cached: Any,
-        router: Router,
-        predicted: Prediction | None,
-    ) -> None:
-        """Feed a measured TTFT back to the router (the cost policy corrects its model with it)."""
-        backend = ex.served[0]
-        row = pool.backends.index(backend)
-        outcome = Outcome(
-            backend_id=backend.id,
-            mode=Mode.AGGREGATED,
-            prompt_tokens=features.prompt_tokens,
-            cached_tokens=0 if cached is None else int(cached[row]),
-            output_tokens=0,
-            ttft_s=ex.ttft_s,
-            e2e_s=time.perf_counter() - ex.started,
-            predicted=predicted,
-        )
-        router.observe(outcome)
-        self.metrics.cost_model_error.labels(backend.id).set(router.correction(backend.id))
-
-    async def _features(
-        self, request: ParsedRequest, pool: ModelPool, headers: dict[bytes, bytes]
-    ) -> tuple[RequestFeatures, Any]:
-        if self.affinity is None:
-            # Only the `auto` split reads the prompt length: a plain balancer skips the estimate.
-            tokens = estimate_prompt_tokens(request) if self.needs_prompt_tokens else 0
-            return RequestFeatures(request.model, tokens, request.max_tokens, request.stream), None
-        return await self.affinity.lookup(request, pool, headers)
+    def _after(self, ex: Exchange, decision: Decision) -> None:
+        """What the request taught: the prefix its backends now hold, and (streamed, aggregated) its TTFT."""
+        self.decider.served(decision, ex.served)
+        if ex.ttft_s and ex.mode == "aggregated" and ex.served:
+            self.decider.learn(decision, ex.served[0], ex.ttft_s, time.perf_counter() - ex.started)
 
     async def _fail(self, ex: Exchange, send: Send, error: GatewayError) -> None:
         self.metrics.requests.labels(ex.request.model, ex.mode, str(error.status)).inc()
@@ -265,28 +218,6 @@ class CompletionHandler:
 
     def _count_disconnect(self, request: ParsedRequest) -> Callable[[], None]:
         return lambda: self.metrics.client_disconnects.labels(request.model).inc()
-
-
-Slo = tuple[float | None, float | None]  # per-request TTFT and TPOT objectives in seconds (None: the model's)
-_SLO_HEADERS = (b"x-hetgate-slo-ttft-ms", b"x-hetgate-slo-tpot-ms")
-
-
-def _slo_override(headers: dict[bytes, bytes]) -> tuple[float | None, float | None]:
-    """The request's own SLO from its headers (milliseconds), for policies that plan for one (`cost`)."""
-    values: list[float | None] = []
-    for name in _SLO_HEADERS:
-        raw = headers.get(name)
-        if raw is None:
-            values.append(None)
-            continue
-        try:
-            ms = float(raw)
-        except ValueError:
-            ms = -1.0
-        if not 0 < ms < 1e9:  # also rejects nan and inf
-            raise BadRequest(f"{name.decode()} must be a positive number of milliseconds.", name.decode())
-        values.append(ms / 1000.0)
-    return values[0], values[1]
 
 
 async def send_error(send: Send, error: GatewayError, route_header: bool) -> None:
