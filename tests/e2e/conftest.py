@@ -85,13 +85,26 @@ def e2e_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("e2e-logs")
 
 
+_FLEETS: list[VllmFleet] = []  # the session's fleet, for the hook below
+
+
 @pytest.fixture(scope="session")
 def vllm_fleet(tiny_model: Path, vllm_venv: Path, e2e_logs: Path) -> Iterator[VllmFleet]:
     fleet = VllmFleet(model_dir=tiny_model, log_dir=e2e_logs, venv=vllm_venv, max_running=2)
+    _FLEETS.append(fleet)
     try:
         yield fleet
     finally:
         fleet.stop_all()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last end-to-end test, stop the vLLM servers at once rather than at the end of the
+    session: their engines busy-poll the CPU and would slow every test that follows."""
+    here = Path(__file__).resolve().parent
+    if nextitem is None or here not in Path(str(nextitem.path)).resolve().parents:
+        for fleet in _FLEETS:
+            fleet.stop_all()
 
 
 @pytest.fixture(scope="session")
