@@ -87,7 +87,7 @@ def test_other_statuses_are_relayed_not_retried(sim, gateway, status):
     gw = gateway(config([backend(bad, "bad"), backend(good, "good")], routing={"policy": "least_load"}))
     statuses = {post(gw, chat_body()).status_code for _ in range(4)}
     assert status in statuses  # the backend's own answer reached the client
-    assert requests_seen(good) > 0 or statuses == {status}
+    assert requests_seen(good) > 0 and 200 in statuses  # least_load alternates idle backends
     assert metric(gw.url, "hetgate:retries_total") == 0
 
 
@@ -284,11 +284,17 @@ def test_active_health_probe_marks_down_and_ready_reflects_it(sim, gateway):
     gw = gateway(config([backend(server, "a")]))
     assert httpx.get(f"{gw.url}/ready").status_code == 200
     server.set_faults({"health_status": 503})
-    time.sleep(1.0)
-    assert httpx.get(f"{gw.url}/ready").status_code == 503
+    until_ready_is(gw, 503)
     server.set_faults({})
-    time.sleep(1.0)
-    assert httpx.get(f"{gw.url}/ready").status_code == 200
+    until_ready_is(gw, 200)
+
+
+def until_ready_is(gw, status: int, timeout_s: float = 10.0) -> None:
+    """Polls /ready until it answers `status` (probes run every 0.2 s here)."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{gw.url}/ready").status_code != status:
+        assert time.monotonic() < deadline, f"/ready never answered {status}"
+        time.sleep(0.05)
 
 
 # -- keys ------------------------------------------------------------------------------------------------
