@@ -62,6 +62,8 @@ class EnvoyProcess:
         full_duplex: bool = True,
         extra_filters: str = "",
     ) -> None:
+        if failure_mode_allow and full_duplex:  # docs/epp.md: Envoy cannot replay a streamed body (500s)
+            raise ValueError("fail-open needs BUFFERED bodies: pass full_duplex=False")
         self.port = free_port()
         self.admin_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -322,9 +322,12 @@ def test_every_reservation_is_released(sim, epp, envoy):
 # -- the EPP itself failing ---------------------------------------------------------------------------------
 
 
+# Each failure mode with the body mode docs/epp.md pairs it with: fail-open needs BUFFERED, because in
+# FULL_DUPLEX_STREAMED Envoy has already streamed the body into the broken gRPC stream and cannot replay it
+# (a 500 in CI when the stream broke after the first chunk went out).
 @pytest.mark.parametrize("allow", [False, True], ids=["fail-closed", "fail-open"])
 def test_epp_down(sim, epp, envoy, allow):
-    proxy, picker, _ = pool_of(sim, epp, envoy, failure_mode_allow=allow)
+    proxy, picker, _ = pool_of(sim, epp, envoy, failure_mode_allow=allow, full_duplex=not allow)
     assert post(proxy.url).status_code == 200
     picker.stop(hard=True)
     response = post(proxy.url)
@@ -435,3 +438,10 @@ def test_sampled_streams_feed_ttft_to_the_cost_model_and_stay_intact(sim, epp, e
     assert all(t.count("data: ") == 8 and t.rstrip().endswith("data: [DONE]") for t in texts)
     # What it learnt is published as serve publishes it (1.0 would mean nothing was learnt).
     assert metric(picker.metrics_url, "hetgate:cost_model_error", backend="b0") not in (0.0, 1.0)
+
+
+def test_harness_refuses_fail_open_with_a_streamed_body():
+    from bench.epp_harness import EnvoyProcess
+
+    with pytest.raises(ValueError, match="BUFFERED"):
+        EnvoyProcess(1, [], failure_mode_allow=True, full_duplex=True)
