@@ -154,9 +154,7 @@ def _series(api: str, expr: str) -> list[dict[str, Any]]:
     return reply["data"]["result"]
 
 
-def test_every_dashboard_query_and_rule_returns_data(
-    cluster: GatewayProcess, prometheus_api: str
-) -> None:
+def test_every_dashboard_query_and_rule_returns_data(cluster: GatewayProcess, prometheus_api: str) -> None:
     api = prometheus_api
     # Load spread over several scrapes, so rate() windows have two samples or more.
     for _ in range(6):

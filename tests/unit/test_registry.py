@@ -101,7 +101,6 @@ def test_panic_threshold_zero_never_panics():
     assert not reg.any_ready("m")
 
 
-
 def test_load_combines_own_in_flight_with_reported_queue():
     reg, _ = registry(Clock())
     b0 = reg.backends["b0"]
