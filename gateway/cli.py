@@ -25,6 +25,7 @@ BENCHMARKS = {
     "cache": ("bench.cache_bench", "prefix-cache hit rate and TTFT per routing policy on the Mooncake trace"),
     "des": ("bench.des_bench", "speed of the discrete-event simulator (requests simulated per CPU second)"),
     "policies": ("bench.policies", "policies x scenarios x rates: goodput, SLO capacity, fluid bound"),
+    "fidelity": ("bench.fidelity", "simulator vs real vLLM on CPU: TTFT, ITL, throughput, error per point"),
     "soak": ("bench.soak", "minutes of mixed load with backend faults: lost requests, RSS and fd growth"),
 }
 

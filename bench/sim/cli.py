@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prefill-token-s", type=float, default=_SIMPLE.prefill_token_s, help="simple engine")
     add("--tpot-s", type=float, default=_SIMPLE.tpot_s, help="simple engine")
     add("--max-num-seqs", type=int, default=_SIMPLE.max_num_seqs, help="as vLLM's: running sequences")
+    add("--max-num-batched-tokens", type=int, default=8192, help="as vLLM's: token budget of one step (cost)")
     add("--max-num-queued-reqs", type=int, default=None, help="beyond this many waiting: 503")
     add("--api-key", default=None, help="as vLLM's: /v1/* needs this bearer token")
     return parser
@@ -88,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
         efficiency=args.efficiency,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         api_key=args.api_key,
         enable_force_include_usage=args.enable_force_include_usage,
         kv_events=args.kv_events_config or KVEventsConfig(),

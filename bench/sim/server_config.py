@@ -38,6 +38,7 @@ class SimServerConfig:
     # case's fitted values come from bench/seed_case.py's FITTED.
     efficiency: dict[str, float] | None = None
     enable_prompt_tokens_details: bool = False
+    max_num_batched_tokens: int = 8192  # cost engine: token budget of one step (chunked prefill)
     max_num_queued_reqs: int | None = None  # waiting requests beyond this get 503 (vLLM SchedulerConfig)
     api_key: str | None = None  # vLLM's --api-key: /v1/* needs `Authorization: Bearer <key>`
     enable_force_include_usage: bool = False
@@ -96,6 +97,7 @@ def _build_cost_engine(config: SimServerConfig, kv_events: KVEventSink | None) -
         block_size=config.block_size,
         max_num_seqs=(config.simple_engine or SimpleEngineConfig()).max_num_seqs,
         num_gpu_blocks=config.num_gpu_blocks,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         kv_lease_s=config.kv_lease_s,
         efficiency=dataclasses.replace(DEFAULT_EFFICIENCY, **(config.efficiency or {})),
         engine=CostEngineConfig(time_scale=config.time_scale, kv_host=config.host),

@@ -25,6 +25,7 @@ EXTRA_FOR = {
     "bench/locustfile.py": ("bench",),  # `hetgate bench` load generation with locust
     "bench/seed_case.py": ("bench",),  # --plot draws with matplotlib
     "bench/policies.py": ("bench",),  # --plot draws with matplotlib
+    "bench/fidelity.py": ("bench",),  # --plot draws with matplotlib
     "gateway/epp/": ("epp",),  # `hetgate epp`: gRPC, Envoy's protos (pip install 'hetgate[epp]')
     "tests/epp/": ("test", "epp"),
     "tests/unit/test_epp_protocol.py": ("test", "epp"),
