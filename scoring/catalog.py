@@ -42,6 +42,15 @@ class _AcceleratorIn(_Strict):
     scale_up_gbps: float = Field(gt=0)
     scale_out_gbps: float = Field(gt=0)
     price_per_hour: float = Field(ge=0)
+    # Fixed cost of one engine step on this device (scheduler, launches, sampling, the engine's Python);
+    # absent: the cost model's default (scoring/cost.py Efficiency.step_overhead_s). Fitted for `cpu`.
+    step_overhead_s: float | None = Field(default=None, gt=0)
+    # Fixed latency of each request before its first step (API server, IPC to the engine); absent: the
+    # cost model's default (Efficiency.request_overhead_s). Fitted for `cpu`.
+    request_overhead_s: float | None = Field(default=None, ge=0)
+    # Cost of each decoding sequence in a step beyond its GEMM share (sampling, output processing); absent:
+    # Efficiency.seq_overhead_s. Fitted for `cpu`.
+    seq_overhead_s: float | None = Field(default=None, ge=0)
 
 
 class _MoEIn(_Strict):
@@ -111,6 +120,9 @@ class Accelerator:
     scale_up_gbps: float
     scale_out_gbps: float
     price_per_hour: float
+    step_overhead_s: float | None = None  # None: Efficiency.step_overhead_s
+    request_overhead_s: float | None = None  # None: Efficiency.request_overhead_s
+    seq_overhead_s: float | None = None  # None: Efficiency.seq_overhead_s
 
     def tflops(self, dtype: str) -> float:
         """Peak for `dtype`, falling back to the next wider dtype the device does support."""

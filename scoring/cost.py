@@ -48,6 +48,8 @@ class Efficiency:
     mfu: float = 0.50  # fraction of peak dense FLOPS (epsteinj/disagg comp_eff)
     bw_util: float = 0.70  # fraction of peak memory bandwidth (epsteinj/disagg bw_eff)
     step_overhead_s: float = 0.003  # per engine step: scheduler, launches, sampling
+    request_overhead_s: float = 0.0  # per request, before its first step: API server, IPC to the engine
+    seq_overhead_s: float = 0.0  # per decoding sequence in a step: sampling, output processing
     kv_mem_util: float = 0.90  # vLLM's gpu_memory_utilization
     link_util: float = 0.80  # fraction of a link's bandwidth a KV transfer gets
     transfer_latency_s: float = 0.005  # per KV transfer: handshake, metadata, first RDMA read
@@ -64,6 +66,9 @@ class Hardware:
     scale_up_bw: np.ndarray  # B/s
     scale_out_bw: np.ndarray  # B/s
     gpus: np.ndarray
+    step_overhead: np.ndarray  # s per engine step from the catalogue; NaN: Efficiency.step_overhead_s
+    request_overhead: np.ndarray  # s per request before its first step; NaN: Efficiency.request_overhead_s
+    seq_overhead: np.ndarray  # s per decoding sequence in a step; NaN: Efficiency.seq_overhead_s
 
     @classmethod
     def of(cls, accelerators: Sequence[Accelerator], gpus: Sequence[int], compute_dtype: str) -> Hardware:
@@ -80,15 +85,50 @@ class Hardware:
             scale_up_bw=column([a.scale_up_gbps for a in accelerators], GB),
             scale_out_bw=column([a.scale_out_gbps for a in accelerators], GB),
             gpus=n,
+            step_overhead=_catalogue_column([a.step_overhead_s for a in accelerators]),
+            request_overhead=_catalogue_column([a.request_overhead_s for a in accelerators]),
+            seq_overhead=_catalogue_column([a.seq_overhead_s for a in accelerators]),
         )
 
     def row(self, i: int) -> Hardware:
         """One backend, as a 1-row `Hardware` (the scheduler times its steps with it)."""
-        return Hardware(*(getattr(self, f)[i : i + 1] for f in _HARDWARE_FIELDS))
+        return Hardware(*(getattr(self, f)[i : i + 1] for f in HARDWARE_FIELDS))
 
 
 DEFAULT_EFFICIENCY = Efficiency()
-_HARDWARE_FIELDS = ("gemm_flops", "attn_flops", "mem_bw", "mem_bytes", "scale_up_bw", "scale_out_bw", "gpus")
+HARDWARE_FIELDS = (
+    "gemm_flops",
+    "attn_flops",
+    "mem_bw",
+    "mem_bytes",
+    "scale_up_bw",
+    "scale_out_bw",
+    "gpus",
+    "step_overhead",
+    "request_overhead",
+    "seq_overhead",
+)
+
+
+def _catalogue_column(values: Sequence[float | None]) -> np.ndarray:
+    """A per-backend figure the catalogue may leave out: NaN there (the Efficiency default applies)."""
+    return np.asarray([np.nan if v is None else v for v in values], dtype=float)
+
+
+def step_overhead(hw: Hardware, eff: Efficiency = DEFAULT_EFFICIENCY) -> np.ndarray:
+    """Per-step fixed cost of each backend: the catalogue's figure where it has one (fitted), else `eff`'s."""
+    return np.where(np.isnan(hw.step_overhead), eff.step_overhead_s, hw.step_overhead)
+
+
+def request_overhead(hw: Hardware, eff: Efficiency = DEFAULT_EFFICIENCY) -> np.ndarray:
+    """Latency each request pays before its first engine step (API server, IPC): added to its TTFT once,
+    not to any step. The catalogue's figure where it has one (fitted), else `eff`'s."""
+    return np.where(np.isnan(hw.request_overhead), eff.request_overhead_s, hw.request_overhead)
+
+
+def seq_overhead(hw: Hardware, eff: Efficiency = DEFAULT_EFFICIENCY) -> np.ndarray:
+    """Per decoding sequence in a step, beyond its share of the GEMMs (sampling, output processing)."""
+    return np.where(np.isnan(hw.seq_overhead), eff.seq_overhead_s, hw.seq_overhead)
 
 
 def kv_replication(model: ModelSpec, hw: Hardware) -> np.ndarray:
@@ -142,7 +182,8 @@ def step_time(
         kv_bytes / (hw.mem_bw * eff.bw_util),
     )
     busy = tokens > 0
-    return np.where(busy, gemm + attention + eff.step_overhead_s, 0.0)
+    per_seq = np.asarray(decode_batch, dtype=float) * seq_overhead(hw, eff)
+    return np.where(busy, gemm + attention + per_seq + step_overhead(hw, eff), 0.0)
 
 
 def prefill_time(
@@ -204,7 +245,8 @@ class ScalarStepTime:
         self.expert_s = model.moe_layers * model.expert_params * model.weight_bytes_per_param / bw
         self.pair_s = model.attn_flops_per_pair / (float(hw.attn_flops[0]) * eff.mfu)
         self.kv_s = model.kv_bytes_per_token * float(kv_replication(model, hw)[0]) / bw
-        self.overhead_s = eff.step_overhead_s
+        self.overhead_s = float(step_overhead(hw, eff)[0])
+        self.seq_s = float(seq_overhead(hw, eff)[0])
 
     def __call__(
         self, prefill_tokens: int, prefill_pairs: float, decode_batch: int, decode_context: int
@@ -215,4 +257,4 @@ class ScalarStepTime:
         weights = self.always_s + self.expert_s * self.experts * (1.0 - self.miss**tokens)
         gemm = max(self.linear_s * tokens, weights)
         attention = max(self.pair_s * (prefill_pairs + decode_context), self.kv_s * decode_context)
-        return gemm + attention + self.overhead_s
+        return gemm + attention + self.seq_s * decode_batch + self.overhead_s

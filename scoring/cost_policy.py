@@ -51,7 +51,14 @@ from typing import Any
 import numpy as np
 
 from scoring.catalog import Catalog, ModelSpec, load_catalog
-from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, ScalarStepTime, kv_transfer_time
+from scoring.cost import (
+    DEFAULT_EFFICIENCY,
+    HARDWARE_FIELDS,
+    Efficiency,
+    Hardware,
+    ScalarStepTime,
+    kv_transfer_time,
+)
 from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel
 from scoring.router import Rotation, SimpleRanker, SplitSettings
 from scoring.types import (
@@ -335,8 +342,8 @@ class CostRanker(SimpleRanker):
         if cl is None:
             accelerators = [self.catalog.accelerator(s.accelerator) for s in specs]
             hw = Hardware.of(accelerators, [s.gpus for s in specs], self.model.compute_dtype)
-            column = Hardware(*(getattr(hw, f)[:, None] for f in _FIELDS))
-            row = Hardware(*(getattr(hw, f)[None, :] for f in _FIELDS))
+            column = Hardware(*(getattr(hw, f)[:, None] for f in HARDWARE_FIELDS))
+            row = Hardware(*(getattr(hw, f)[None, :] for f in HARDWARE_FIELDS))
             latency = kv_transfer_time(self.model, column, row, 0, self.efficiency)
             per_token = kv_transfer_time(self.model, column, row, 1, self.efficiency) - latency
             cl = _Cluster(
@@ -354,9 +361,6 @@ class CostRanker(SimpleRanker):
             self._clusters[key] = cl
         self._last = cl
         return cl
-
-
-_FIELDS = ("gemm_flops", "attn_flops", "mem_bw", "mem_bytes", "scale_up_bw", "scale_out_bw", "gpus")
 
 
 def _order(

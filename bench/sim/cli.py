@@ -122,6 +122,10 @@ async def _run(config: SimServerConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "calibrate":  # `hetgate sim calibrate`: fit a catalogue entry to a real server
+        from bench.sim.calibrate import main as calibrate
+
+        return calibrate(argv[1:])
     try:
         config = config_from_args(build_parser().parse_args(argv))
     except SystemExit as exit_:  # argparse's --help and usage errors: return their code, do not exit

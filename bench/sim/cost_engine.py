@@ -77,6 +77,9 @@ class CostModelEngine:
     async def generate(self, request: SimRequest) -> AsyncGenerator[TokenOutput, None]:
         if self._task is None or self._task.done():
             raise RuntimeError("the cost engine is not running")
+        delay = self.core.timer.request_overhead_s / self.config.time_scale
+        if delay > 0:  # the API server's and IPC's share of TTFT, before the engine sees the request
+            await asyncio.sleep(delay)
         rid = request.request_id
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._queues[rid] = queue

@@ -11,6 +11,7 @@ from scoring.cost import (
     ScalarStepTime,
     kv_capacity_tokens,
     kv_transfer_time,
+    request_overhead,
 )
 
 
@@ -24,6 +25,8 @@ class StepTimer:
         self.hardware = hardware
         self.efficiency = efficiency
         self._step_s = ScalarStepTime(model, hardware, efficiency)
+        # Each request waits this long before it can join a step (scoring.cost.request_overhead).
+        self.request_overhead_s = float(request_overhead(hardware, efficiency)[0])
 
     @classmethod
     def for_accelerator(
