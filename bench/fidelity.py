@@ -67,6 +67,7 @@ class Measured:
     throughput_tps: float
     cached_tokens: float = 0.0
     itl_before_ms: float | None = None  # mixed points: the decodes' ITL before the long prompt arrived
+    stall_ms: float | None = None  # mixed points: the longest decode gap while the long prompt prefilled
     rounds: int = 0
 
     def get(self, metric: str) -> float:
@@ -173,53 +174,84 @@ def _gaps_overlapping(streams: Sequence[Stream], lo: float, hi: float) -> tuple[
     return during, before
 
 
-async def measure(url: str, model: str, point: Point, rounds: int, seed: int) -> Measured:
-    timeout = aiohttp.ClientTimeout(total=300)
-    ttft: list[float] = []
-    itl: list[float] = []
-    tput: list[float] = []
-    cached: list[float] = []
-    before_all: list[float] = []
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for r in range(rounds):
-            round_seed = seed * 1000 + r
-            if point.background:
-                streams, wall, long = await _mixed_round(session, url, model, point, round_seed)
-                during, before = _gaps_overlapping(streams, long.sent, long.token_times[0])
-                ttft.append(long.ttft)
-                itl.append(statistics.mean(during) if during else float("nan"))
-                before_all.extend(before)
-                tokens = sum(len(s.token_times) for s in streams) + 1
-            else:
-                streams, wall = await _round(session, url, model, point, round_seed)
-                ttft.extend(s.ttft for s in streams)
-                itl.extend(s.itl for s in streams if s.itl is not None)
-                cached.extend(s.cached_tokens for s in streams)
-                tokens = sum(len(s.token_times) for s in streams)
-            tput.append(tokens / wall)
-    return Measured(
-        ttft_ms=1e3 * statistics.median(ttft),
-        itl_ms=1e3 * statistics.median(itl) if itl else float("nan"),
-        throughput_tps=statistics.median(tput),
-        cached_tokens=statistics.mean(cached) if cached else 0.0,
-        itl_before_ms=1e3 * statistics.median(before_all) if before_all else None,
-        rounds=rounds,
-    )
+@dataclass(slots=True)
+class _Samples:
+    """Raw values of one point, gathered over rounds."""
+
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    tput: list[float] = field(default_factory=list)
+    cached: list[float] = field(default_factory=list)
+    before: list[float] = field(default_factory=list)
+    stall: list[float] = field(default_factory=list)
+
+    def summary(self, rounds: int) -> Measured:
+        return Measured(
+            ttft_ms=1e3 * statistics.median(self.ttft),
+            itl_ms=1e3 * statistics.median(self.itl) if self.itl else float("nan"),
+            throughput_tps=statistics.median(self.tput),
+            cached_tokens=statistics.mean(self.cached) if self.cached else 0.0,
+            itl_before_ms=1e3 * statistics.median(self.before) if self.before else None,
+            stall_ms=1e3 * statistics.median(self.stall) if self.stall else None,
+            rounds=rounds,
+        )
+
+
+async def measure_round(
+    session: aiohttp.ClientSession, url: str, model: str, point: Point, seed: int, out: _Samples
+) -> None:
+    if point.background:
+        streams, wall, long = await _mixed_round(session, url, model, point, seed)
+        during, before = _gaps_overlapping(streams, long.sent, long.token_times[0])
+        out.ttft.append(long.ttft)
+        if during:
+            out.itl.append(statistics.mean(during))
+            out.stall.append(max(during))
+        out.before.extend(before)
+        tokens = sum(len(s.token_times) for s in streams) + 1
+    else:
+        streams, wall = await _round(session, url, model, point, seed)
+        out.ttft.extend(s.ttft for s in streams)
+        out.itl.extend(s.itl for s in streams if s.itl is not None)
+        out.cached.extend(s.cached_tokens for s in streams)
+        tokens = sum(len(s.token_times) for s in streams)
+    out.tput.append(tokens / wall)
 
 
 async def measure_all(
     url: str, model: str, points: Sequence[Point], rounds: int, seed: int
 ) -> list[Measured]:
-    async with aiohttp.ClientSession() as session:  # one warm-up request: first-request costs are not a point
-        await stream_completion(session, url, model, prompt_ids(64, seed, 12345), 4)
-    return [await measure(url, model, p, rounds, seed + i) for i, p in enumerate(points)]
+    """Every point once per round, rounds one after the other: a slow drift of the machine's load
+    spreads over all points instead of landing on a few."""
+    samples = [_Samples() for _ in points]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        await stream_completion(session, url, model, prompt_ids(64, seed, 12345), 4)  # first-request costs
+        for r in range(rounds):
+            for i, point in enumerate(points):
+                await measure_round(session, url, model, point, (seed + i) * 1000 + r, samples[i])
+    return [s.summary(rounds) for s in samples]
+
+
+def run_seed(seed: int | None) -> int:
+    """A seed never used before unless one is given: a "cold" prompt must not hit the prefix cache that an
+    earlier run against the same server left behind."""
+    return seed if seed is not None else time.time_ns() % 1_000_000_007
+
+
+def cache_leaks(points: Sequence[Point], measured: Sequence[Measured]) -> list[str]:
+    """Cold points that nevertheless hit the prefix cache (the figures would be meaningless)."""
+    return [p.name for p, m in zip(points, measured, strict=True) if not p.cached and m.cached_tokens > 0]
 
 
 # --- the targets -------------------------------------------------------------------------------------
 
 
 def sim_args(
-    max_model_len: int, max_num_batched_tokens: int, block_size: int, profile: str | None = None
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    block_size: int,
+    efficiency: str | None = None,
+    figures: dict[str, float] | None = None,
 ) -> list[str]:
     """`hetgate sim` for the same engine as the real server: the `cpu` accelerator, one device, the tiny
     model's shape, vLLM-CPU's scheduler limits and KV block size (128 on CPU: prefix hits come in
@@ -231,9 +263,16 @@ def sim_args(
         "--max-num-batched-tokens", str(max_num_batched_tokens), "--block-size", str(block_size),
         "--max-num-seqs", "128", "--enable-prompt-tokens-details",
     ]  # fmt: skip
-    if profile:
-        args += ["--efficiency", profile]
+    if efficiency:
+        args += ["--efficiency", efficiency]
+    if figures:
+        args += ["--accelerator-overrides", json.dumps(figures)]
     return args
+
+
+def profile_figures(path: str | None) -> dict[str, float] | None:
+    """The `figures` of a `hetgate sim calibrate --json` file: the cpu entry to simulate with."""
+    return None if path is None else dict(json.loads(Path(path).read_text())["figures"])
 
 
 @contextlib.contextmanager
@@ -250,7 +289,10 @@ def real_server(url: str | None, max_model_len: int, core: str, log_dir: Path) -
     spec = ServerSpec("fidelity", omp_threads_bind=core, extra_args=("--max-model-len", str(max_model_len)))
     server = VllmServer(spec=spec, model_dir=model_dir, log_dir=log_dir)
     try:
-        server.start().wait_healthy()
+        server.start()
+        if server.process is not None:  # the API server and the engine it forks stay on the worker's core
+            os.sched_setaffinity(server.process.pid, {int(core)})
+        server.wait_healthy()
         yield server.base_url
     finally:
         server.stop()
@@ -298,7 +340,8 @@ def print_table(rows: Sequence[Row], meta: dict[str, Any]) -> None:
         print(line)
         if r.real.itl_before_ms is not None and r.sim.itl_before_ms is not None:
             print(f"{'':<22}decode ITL before the long prompt: real {r.real.itl_before_ms:.2f} ms, "
-                  f"sim {r.sim.itl_before_ms:.2f} ms")  # fmt: skip
+                  f"sim {r.sim.itl_before_ms:.2f} ms; longest decode gap during its prefill: "
+                  f"real {r.real.stall_ms or 0:.1f} ms, sim {r.sim.stall_ms or 0:.1f} ms")  # fmt: skip
     for metric, s in summary(rows).items():
         median, worst = 100 * s["median_abs_error"], 100 * s["max_abs_error"]
         print(f"{metric}: median |error| {median:.1f} %, max {worst:.1f} %")
@@ -337,8 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-model-len", type=int, default=2048, help="of the server started here and of the simulator")
     add("--max-num-batched-tokens", type=int, default=2048, help="the simulator's (vLLM-CPU's default: 2048)")
     add("--block-size", type=int, default=128, help="the simulator's KV block size (vLLM-CPU's default: 128)")
+    add(
+        "--calibrate-on",
+        default=None,
+        help="fit the cpu figures on these points first (same run), then check",
+    )
+    add("--profile", default=None, help="simulate with the figures of this `hetgate sim calibrate --json`")
     add("--efficiency", default=None, help="JSON overrides for the simulator (scoring/cost.py Efficiency)")
-    add("--seed", type=int, default=1, help="prompts are random token ids from this seed")
+    add("--seed", type=int, default=None, help="prompt ids from this seed (default: a new one per run)")
     add("--json", dest="json_path", default=None, help="write the report here")
     add("--plot", dest="plot_path", default=None, help="write a PNG of real vs simulated per point")
     add("--log-dir", default="/tmp/hetgate-fidelity", help="the started vLLM server's log")
@@ -349,23 +398,82 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.client_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
     points = WORKLOADS[args.workload]
-    meta: dict[str, Any] = {"workload": args.workload, "rounds": args.rounds}
+    fit_points = WORKLOADS[args.calibrate_on] if args.calibrate_on else []
+    meta: dict[str, Any] = {
+        "workload": args.workload,
+        "rounds": args.rounds,
+        "calibrate_on": args.calibrate_on,
+    }
     meta["loadavg_before"] = os.getloadavg()
     with real_server(args.vllm_url, args.max_model_len, args.vllm_core, Path(args.log_dir)) as url:
-        real = asyncio.run(measure_all(url, "tiny", points, args.rounds, args.seed))
-    with SimProcess(
-        sim_args(args.max_model_len, args.max_num_batched_tokens, args.block_size, args.efficiency)
-    ) as sim:
-        simulated = asyncio.run(measure_all(sim.url, SIM_MODEL, points, args.rounds, args.seed))
+        # Fit and held-out points interleaved in one run: this machine's speed drifts with its load.
+        measured = asyncio.run(
+            measure_all(url, "tiny", [*fit_points, *points], args.rounds, run_seed(args.seed))
+        )
+    fit_measured, real = measured[: len(fit_points)], measured[len(fit_points) :]
+    figures = profile_figures(args.profile)
+    if fit_points:
+        figures = calibrated_figures(fit_points, fit_measured, args, meta)
+    sim_argv = sim_args(
+        args.max_model_len, args.max_num_batched_tokens, args.block_size, args.efficiency, figures
+    )
+    with SimProcess(sim_argv) as sim:
+        simulated = asyncio.run(measure_all(sim.url, SIM_MODEL, points, args.rounds, run_seed(args.seed)))
     meta["loadavg_after"] = os.getloadavg()
+    meta["cold_points_with_cache_hits"] = cache_leaks([*fit_points, *points], measured)
+    if meta["cold_points_with_cache_hits"]:
+        print(f"warning: cold points hit the prefix cache: {meta['cold_points_with_cache_hits']}")
     rows = [Row(p, r, s) for p, r, s in zip(points, real, simulated, strict=True)]
     report = report_dict(rows, meta)
+    report["engine_model"] = engine_model(points, args, figures)
     print_table(rows, meta)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     if args.plot_path:
         plot(rows, args.plot_path)
     return report
+
+
+def calibrated_figures(
+    points: Sequence[Point], measured: Sequence[Measured], args: argparse.Namespace, meta: dict[str, Any]
+) -> dict[str, float]:
+    """`hetgate sim calibrate`'s fit on `points`, for the simulator of this run (recorded in `meta`)."""
+    from bench.sim.calibrate import Observation, fit
+    from bench.sim.sched_core import SchedulerConfig
+    from scoring.catalog import load_catalog
+
+    catalog = load_catalog()
+    config = SchedulerConfig(
+        max_num_seqs=128, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size
+    )
+    observed = [Observation(m.ttft_ms, m.itl_ms, m.throughput_tps) for m in measured]
+    result = fit(points, observed, catalog.model("tiny-cpu"), catalog.accelerator("cpu"), config)
+    meta["fit"] = {
+        "figures": result.figures(),
+        "median_abs_error": result.median_abs_error(),
+        "max_abs_error": result.max_abs_error(),
+    }
+    print("fitted on", args.calibrate_on, ":", ", ".join(f"{k}={v:.4g}" for k, v in result.figures().items()))
+    return result.figures()
+
+
+def engine_model(
+    points: Sequence[Point], args: argparse.Namespace, figures: dict[str, float] | None
+) -> list[Any]:
+    """The same points through the simulator's scheduler in virtual time (no HTTP, no host scheduling):
+    the HTTP simulator's TTFT minus this is what its runtime adds (the issue's "fixed ~30 ms")."""
+    from bench.sim.calibrate import predict
+    from bench.sim.sched_core import SchedulerConfig
+    from scoring.catalog import load_catalog
+
+    catalog = load_catalog(overrides={"accelerators": {"cpu": figures or {}}})
+    config = SchedulerConfig(
+        max_num_seqs=128, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size
+    )
+    predicted = predict(points, catalog.model("tiny-cpu"), catalog.accelerator("cpu"), config)
+    for point, obs in zip(points, predicted, strict=True):
+        print(f"engine model {point.name:<22} TTFT {obs.ttft_ms:8.2f} ms  ITL {obs.itl_ms:6.2f} ms")
+    return [{"point": p.name, **asdict(o)} for p, o in zip(points, predicted, strict=True)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -75,12 +75,15 @@ class _Replay:
         self.now = 0.0
         self.tokens: dict[str, list[float]] = defaultdict(list)
         self.pending: list[tuple[float, EngineRequest]] = []
+        self.front_end_free = 0.0
 
     def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
         hashes = chained_block_hashes(prompt, self.block_size)
-        self.pending.append(
-            (self.now + self.delay, EngineRequest(rid, len(prompt), max_tokens, hashes, prompt))
-        )
+        request = EngineRequest(rid, len(prompt), max_tokens, hashes, prompt)
+        # One API server handles requests one after another (as the HTTP simulator's front end); with no
+        # overhead a 1 us stagger keeps that order: an idle engine starts its step with the first alone.
+        self.front_end_free = max(self.now, self.front_end_free) + max(self.delay, 1e-6)
+        self.pending.append((self.front_end_free, request))
 
     def _admit(self) -> None:
         due = [item for item in self.pending if item[0] <= self.now]
@@ -275,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--from-json", default=None, help="fit these measurements (a --json of an earlier run) instead")
     add("--accelerator", default="cpu", help="the catalogue entry to fit (its other figures are kept)")
     add("--model", default="tiny-cpu", help="configs/models.yaml entry of the served model")
-    add("--seed", type=int, default=1, help="prompts are random token ids from this seed")
+    add("--seed", type=int, default=None, help="prompt ids from this seed (default: a new one per run)")
     add("--json", dest="json_path", default=None, help="write measurements, figures and residuals here")
     add("--write-catalogue", default=None, help="replace the entry in this accelerators.yaml")
     add("--log-dir", default="/tmp/hetgate-fidelity", help="the started vLLM server's log")
@@ -283,12 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _measure(args: argparse.Namespace, points: Sequence[Point]) -> list[Observation]:
-    from bench.fidelity import measure_all, real_server
+    from bench.fidelity import cache_leaks, measure_all, real_server, run_seed
 
     if args.client_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
     with real_server(args.vllm_url, args.max_model_len, args.vllm_core, Path(args.log_dir)) as url:
-        measured = asyncio.run(measure_all(url, "tiny", points, args.rounds, args.seed))
+        measured = asyncio.run(measure_all(url, "tiny", points, args.rounds, run_seed(args.seed)))
+    leaks = cache_leaks(points, measured)
+    if leaks:
+        raise SystemExit(f"cold points hit the prefix cache (reused --seed?): {leaks}")
     return [Observation(m.ttft_ms, m.itl_ms, m.throughput_tps) for m in measured]
 
 
@@ -354,7 +360,8 @@ def _write(args: argparse.Namespace, result: Fit, n_points: int) -> None:
         f"Fitted {time.strftime('%Y-%m-%d')} by `hetgate sim calibrate --workload {args.workload}"
         f" --write-catalogue {path.name}`",
         f"to real vLLM on one CPU core serving `{args.model}` ({n_points} points x {args.rounds} rounds):",
-        "effective figures at the default Efficiency (mfu 0.5, bw_util 0.7), not a datasheet. Fit error",
+        "effective figures at the default Efficiency (mfu 0.5, bw_util 0.7), not a datasheet; measured on",
+        "a 2-vCPU VM whose other vCPU was busy (speed drifts ~1.5x with that load). Fit error",
         "(median |pred/meas - 1|): " + ", ".join(f"{m} {100 * v:.0f} %" for m, v in median.items()) + ".",
         "Memory, links and price are not fitted (assumptions). See docs/simulator.md.",
     ]

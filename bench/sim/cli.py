@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--block-size", type=int, default=16, help="as vLLM's: KV-cache block size in tokens")
     add("--num-gpu-blocks-override", type=int, default=None, help="as vLLM's: KV-cache size in blocks")
     add("--cost-model", default=None, help="cost engine: model name in configs/models.yaml (default --model)")
+    add(
+        "--accelerator-overrides",
+        type=json.loads,
+        default=None,
+        help="cost engine: JSON figures replacing the catalogue's (e.g. a `hetgate sim calibrate` fit)",
+    )
     add("--efficiency", type=json.loads, default=None, help='cost engine: JSON overrides, e.g. {"mfu": 0.17}')
     add("--enable-prompt-tokens-details", action="store_true", help="as vLLM's: report cached tokens")
     add("--enable-force-include-usage", action="store_true", help="as vLLM's: usage in every stream")
@@ -87,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
         num_gpu_blocks=args.num_gpu_blocks_override,
         cost_model=args.cost_model,
         efficiency=args.efficiency,
+        accelerator_overrides=args.accelerator_overrides,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -52,6 +52,7 @@ class CostModelEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._t0 = 0.0
+        self._front_end_free = 0.0  # loop time at which the simulated API server is free again
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -77,9 +78,7 @@ class CostModelEngine:
     async def generate(self, request: SimRequest) -> AsyncGenerator[TokenOutput, None]:
         if self._task is None or self._task.done():
             raise RuntimeError("the cost engine is not running")
-        delay = self.core.timer.request_overhead_s / self.config.time_scale
-        if delay > 0:  # the API server's and IPC's share of TTFT, before the engine sees the request
-            await asyncio.sleep(delay)
+        await self._front_end()
         rid = request.request_id
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._queues[rid] = queue
@@ -97,6 +96,16 @@ class CostModelEngine:
             self._rngs.pop(rid, None)
             if not finished:
                 self.core.abort(rid)
+
+    async def _front_end(self) -> None:
+        """The API server's time per request before the engine sees it (scoring.cost.request_overhead):
+        one process handles requests one after another, so a burst queues here."""
+        delay = self.core.timer.request_overhead_s / self.config.time_scale
+        if delay <= 0:
+            return
+        now = asyncio.get_running_loop().time()
+        self._front_end_free = max(now, self._front_end_free) + delay
+        await asyncio.sleep(self._front_end_free - now)
 
     def _engine_request(self, request: SimRequest) -> EngineRequest:
         tokens = list(request.prompt_token_ids)

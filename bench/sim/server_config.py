@@ -37,6 +37,8 @@ class SimServerConfig:
     # Cost engine efficiency overrides (scoring/cost.py Efficiency fields, e.g. {"mfu": 0.17}); the seed
     # case's fitted values come from bench/seed_case.py's FITTED.
     efficiency: dict[str, float] | None = None
+    # Cost engine: figures of `accelerator` replacing the catalogue's (`hetgate sim calibrate --json`'s fit).
+    accelerator_overrides: dict[str, float] | None = None
     enable_prompt_tokens_details: bool = False
     max_num_batched_tokens: int = 8192  # cost engine: token budget of one step (chunked prefill)
     max_num_queued_reqs: int | None = None  # waiting requests beyond this get 503 (vLLM SchedulerConfig)
@@ -89,7 +91,8 @@ def _build_cost_engine(config: SimServerConfig, kv_events: KVEventSink | None) -
     from scoring.catalog import load_catalog
     from scoring.cost import DEFAULT_EFFICIENCY
 
-    catalog = load_catalog()
+    overrides = {config.accelerator: config.accelerator_overrides} if config.accelerator_overrides else {}
+    catalog = load_catalog(overrides={"accelerators": overrides})
     return build_cost_engine(
         catalog.model(config.cost_model or config.model),
         catalog.accelerator(config.accelerator),
