@@ -7,8 +7,8 @@ hit the prefix cache); `background` > 0 makes it a mixed point: that many decode
 prefills is the point's ITL.
 
 Workloads: `full` (the issue's sweep, needs --max-model-len 2048), `fit` and `holdout` (disjoint lengths and
-concurrencies: calibrate on one, check on the other), `short` (under a minute, prompts under 1,024 tokens:
-the e2e servers' --max-model-len).
+concurrencies: calibrate on one, check on the other), `short-fit` and `short` (the same idea in under a
+minute, prompts under 1,024 tokens: the e2e servers' --max-model-len).
 """
 
 from __future__ import annotations
@@ -75,11 +75,20 @@ WORKLOADS: dict[str, list[Point]] = {
         _cold(128, 96, 4),
         _mixed(1792, 2),
     ],
+    # Under a minute together, prompts under 1,024 tokens (the e2e servers' --max-model-len):
+    # fit on `short-fit`, check `short`.
+    "short-fit": [
+        _cold(128, 16),
+        _cold(640, 16),
+        _cached(640, 16),
+        _cold(192, 24, 2),
+        _cold(128, 24, 6),
+    ],
     "short": [
-        _cold(128),
-        _cold(896),
-        _cached(896),
-        _cold(256, 32, 4),
+        _cold(256, 16),
+        _cold(896, 16),
+        _cached(896, 16),
+        _cold(256, 24, 4),
         _mixed(896, 3),
     ],
 }

