@@ -361,6 +361,8 @@ def plot(rows: Sequence[Row], path: str) -> None:
         ax.bar(x + 0.2, [r.sim.get(metric) for r in rows], 0.4, label="hetgate sim")
         ax.set_xticks(x, [r.point.name for r in rows], rotation=60, ha="right", fontsize=7)
         ax.set_title(metric)
+        if metric == "itl_ms":
+            ax.set_yscale("log")  # a mixed point's stall is ~100x a plain decode step
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
