@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -124,7 +126,8 @@ def test_vectorised_rows_equal_single_backend_calls() -> None:
 
 def test_scalar_fast_path_equals_the_vectorised_formula() -> None:
     rng = np.random.default_rng(7)
-    for name, model in (("mi308x", R1), ("h100-sxm", LLAMA8)):
+    # `cpu` carries catalogue overheads (step, per sequence); the others fall back to Efficiency's.
+    for name, model in (("mi308x", R1), ("h100-sxm", LLAMA8), ("cpu", CATALOG.model("tiny-cpu"))):
         hw = hardware(name, dtype=model.compute_dtype)
         fast = ScalarStepTime(model, hw)
         for _ in range(50):
@@ -132,3 +135,17 @@ def test_scalar_fast_path_equals_the_vectorised_formula() -> None:
             ctx = b * int(rng.integers(1, 8000))
             expected = step_time(model, hw, n, causal_pairs(n, c), b, ctx)[0]
             assert fast(n, float(causal_pairs(n, c)), b, ctx) == pytest.approx(expected, rel=1e-9)
+
+
+def test_catalogue_overheads_replace_the_efficiency_defaults() -> None:
+    tiny = CATALOG.model("tiny-cpu")
+    cpu, h100 = CATALOG.accelerator("cpu"), CATALOG.accelerator("h100-sxm")
+    assert cpu.step_overhead_s is not None and cpu.seq_overhead_s is not None and h100.step_overhead_s is None
+    bare = dataclasses.replace(cpu, step_overhead_s=None, seq_overhead_s=None)
+    hw = Hardware.of([cpu, bare, h100], [1, 1, 1], "bf16")
+    eff = Efficiency(step_overhead_s=0.5, seq_overhead_s=0.25)
+    four = step_time(tiny, hw, 0, 0, 4, 40, eff)
+    # The catalogue's figures where it has them, Efficiency's where it does not: exactly the difference.
+    expected = (0.5 + 4 * 0.25) - (cpu.step_overhead_s + 4 * cpu.seq_overhead_s)
+    assert four[1] - four[0] == pytest.approx(expected, rel=1e-9)
+    assert four[2] > 0.5 + 4 * 0.25
