@@ -92,16 +92,44 @@ def test_plan_carries_its_prediction(deepseek):
 
 
 def test_tpot_slo_excludes_a_crowded_decoder(deepseek):
-    """The MI300X holds the prompt (cheapest prefill) but decodes a huge batch: over a tight TPOT SLO."""
-    crowded = BackendStats(in_flight=120, running=120, decode_seqs=120, context_tokens=120 * 9000)
+    """The MI300X holds a 32k-token prompt (cheapest prefill by far) but decodes long contexts: over a
+    tight TPOT SLO. (A crowd of many sequences would already lose on the delay it suffers from one more.)"""
+    crowded = BackendStats(in_flight=8, running=8, decode_seqs=8, context_tokens=8 * 120_000)
     router = build_router("cost", model=deepseek)
-    busy = cluster((crowded, BackendStats()), cached=(7900, 0))
-    lax = router.plan(long_prompt(slo_ttft_s=100.0, slo_tpot_s=10.0), busy)
+    busy = cluster((crowded, BackendStats()), cached=(31_900, 0))
+
+    def request(tpot_s: float) -> RequestFeatures:
+        return RequestFeatures("m", prompt_tokens=32_000, max_tokens=64, slo_ttft_s=100.0, slo_tpot_s=tpot_s)
+
+    lax = router.plan(request(10.0), busy)
     assert lax.aggregated[0] == 0
-    tight = router.plan(long_prompt(slo_ttft_s=100.0, slo_tpot_s=0.03), busy)
+    tight = router.plan(request(0.02), busy)
     assert tight.predicted is not None and lax.predicted is not None
-    assert lax.predicted.tpot_s > 0.03
+    assert lax.predicted.tpot_s > 0.02 >= tight.predicted.tpot_s
     assert tight.aggregated[0] == 1
+
+
+def test_a_decode_only_backend_serves_short_requests_whole(deepseek):
+    """As under the other policies (and in the fluid bound): a decode-only vLLM serves a request without
+    KV parameters whole. A short prompt costs the compute-poor MI308X little to prefill."""
+    short = RequestFeatures("m", prompt_tokens=300, max_tokens=200)
+    plan = build_router("cost", model=deepseek).plan(short, cluster(roles=(BOTH, D)))
+    assert plan.mode is Mode.AGGREGATED and plan.aggregated[0] == 1
+
+
+@pytest.mark.parametrize("running", [0, 16])
+def test_a_long_prefill_keeps_off_a_decoder_with_running_sequences(deepseek, running):
+    """The MI300X has 16k-token prompts queued; the decode-only MI308X would finish this one sooner. Idle,
+    it takes it; with sequences decoding, the delay a 16k prefill would impose on each of them (chunked
+    prefill stalls their steps) outweighs the queue, and the MI300X takes it."""
+    decoding = BackendStats(
+        in_flight=running, running=running, decode_seqs=running, context_tokens=running * 16_000
+    )
+    request = RequestFeatures("m", prompt_tokens=16_000, max_tokens=128, slo_ttft_s=100.0, slo_tpot_s=10.0)
+    plan = build_router("cost", model=deepseek).plan(
+        request, cluster((queued(2, 16_000), decoding), roles=(BOTH, D))
+    )
+    assert plan.aggregated[0] == (1 if running == 0 else 0)
 
 
 def converge(ranker: CostRanker, truth: float, queue: float, compute: float, rounds: int) -> float:
