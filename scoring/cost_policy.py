@@ -97,6 +97,7 @@ class _Cluster:
     transfer_per_token: np.ndarray  # [p, d] seconds per KV token, without the fixed latency
     transfer_latency: np.ndarray  # [p, d]
     fastest_prefill: ScalarStepTime  # the backend with the most compute, alone
+    fastest_prefill_row: int
     fastest_decode: ScalarStepTime  # the backend with the most memory bandwidth, alone
     rows: dict[str, int]  # backend id -> row
     compute_factor: np.ndarray
@@ -151,6 +152,7 @@ class CostRanker(SimpleRanker):
         self._clusters: dict[tuple[str, ...], _Cluster] = {}
         self._last: _Cluster | None = None
         self._correction: dict[str, float] = {}  # compute (prefill and queue) per backend
+        self._compute_prior = 1.0  # for a backend not measured yet: the others' geometric mean
         self._pair_correction: dict[tuple[str, str], float] = {}
 
     # --- pricing ---------------------------------------------------------------------------------------
@@ -201,7 +203,11 @@ class CostRanker(SimpleRanker):
         tpot = request.slo_tpot_s or self.slo.tpot_s
         prompt = request.prompt_tokens
         if ttft is None:
-            ttft = self.slo.ttft_factor * cl.fastest_prefill(prompt, 0.5 * prompt * (prompt + 1), 0, 0)
+            # Corrected as that backend's measured prefills correct it: the target is relative to how
+            # fast it really is (uncorrected, a roofline that is 2x optimistic halves the target and
+            # every plan looks late).
+            unloaded = cl.fastest_prefill(prompt, 0.5 * prompt * (prompt + 1), 0, 0)
+            ttft = self.slo.ttft_factor * unloaded * float(cl.compute_factor[cl.fastest_prefill_row])
         if tpot is None:
             tpot = self.slo.tpot_factor * cl.fastest_decode(0, 0, 1, prompt + 1)
         return ttft, tpot
@@ -327,6 +333,7 @@ class CostRanker(SimpleRanker):
             return
         if outcome.leg in (Leg.AGGREGATED, Leg.PREFILL):
             self._learn(self._correction, outcome.backend_id, outcome.ttft_s, pred.compute_s, pred.wait_s)
+            self._spread_prior()
         if outcome.leg is Leg.DECODE:
             first_step = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
             key = (outcome.peer_id, outcome.backend_id)
@@ -344,15 +351,25 @@ class CostRanker(SimpleRanker):
         if part <= 0 or not math.isfinite(measured) or total <= 0:
             return
         ratio = (measured - rest) / part
-        old = table.get(key, 1.0)
+        old = table.get(key, self.correction(key) if isinstance(key, str) else 1.0)
         step = 1.0 + self.learning_rate * (part / total) * (ratio - 1.0)
         table[key] = float(np.clip(old * max(step, 0.5), *_CLIP))
         for cl in self._clusters.values():  # the arrays the pricing reads
             cl.set_factor(key, table[key])
 
     def correction(self, backend_id: str) -> float:
-        """The compute correction of one backend (1.0: the roofline as it is)."""
-        return self._correction.get(backend_id, 1.0)
+        """The compute correction of one backend (1.0: the roofline as it is). A backend that has not
+        prefilled yet takes the geometric mean of the others': most of the roofline's error is shared
+        (the efficiency it assumes), and without it an unmeasured backend looks as many times faster
+        than a measured one as the roofline is optimistic (seed cluster: every 16k prompt sent to the
+        never-measured MI308X servers, 5.6x slower in truth)."""
+        return self._correction.get(backend_id, self._compute_prior)
+
+    def _spread_prior(self) -> None:
+        values = np.fromiter(self._correction.values(), dtype=float)
+        self._compute_prior = float(np.exp(np.log(values).mean())) if values.size else 1.0
+        for cl in self._clusters.values():
+            cl.compute_factor[:] = [self.correction(s.id) for s in cl.specs]
 
     def corrections(self) -> dict[str, float]:
         return dict(self._correction)
@@ -377,9 +394,10 @@ class CostRanker(SimpleRanker):
                 np.asarray(per_token),
                 np.asarray(latency),
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.gemm_flops))), self.efficiency),
+                int(np.argmax(hw.gemm_flops)),
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.mem_bw))), self.efficiency),
                 {s.id: i for i, s in enumerate(specs)},
-                np.array([self._correction.get(s.id, 1.0) for s in specs]),
+                np.array([self.correction(s.id) for s in specs]),
                 np.array([[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]),
             )
             self._clusters[key] = cl

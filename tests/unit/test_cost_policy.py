@@ -132,15 +132,17 @@ def test_a_long_prefill_keeps_off_a_decoder_with_running_sequences(deepseek, run
     assert plan.aggregated[0] == (1 if running == 0 else 0)
 
 
-def converge(ranker: CostRanker, truth: float, queue: float, compute: float, rounds: int) -> float:
+def converge(
+    ranker: CostRanker, truth: float, queue: float, compute: float, rounds: int, backend: str = "mi300x-0"
+) -> float:
     """Feed outcomes of a backend whose compute is `truth` times the roofline, with `queue` seconds of
     roofline work ahead; each prediction carries the correction learnt so far (as plans do)."""
     for _ in range(rounds):
-        k = ranker.correction("mi300x-0")
+        k = ranker.correction(backend)
         pred = Prediction(wait_s=k * queue, compute_s=k * compute, ttft_s=k * (queue + compute))
         measured = truth * (queue + compute)
-        ranker.observe(Outcome("mi300x-0", Mode.AGGREGATED, 8000, 0, 64, measured, measured, predicted=pred))
-    return ranker.correction("mi300x-0")
+        ranker.observe(Outcome(backend, Mode.AGGREGATED, 8000, 0, 64, measured, measured, predicted=pred))
+    return ranker.correction(backend)
 
 
 @pytest.mark.parametrize(("truth", "queue"), [(3.0, 0.0), (3.0, 10.0), (0.5, 10.0), (1.0, 50.0)])
@@ -152,8 +154,23 @@ def test_calibration_converges_and_a_queue_is_not_slowness(deepseek, truth, queu
 def test_measured_slowness_moves_traffic(deepseek):
     router = build_router("cost", "never", model=deepseek)
     assert router.plan(long_prompt(), cluster()).aggregated[0] == 0
+    converge(router.ranker, 1.0, 0.0, 1.0, 50, "mi308x-0")  # the MI308X is as fast as its roofline
     converge(router.ranker, 10.0, 0.0, 1.0, 200)  # the MI300X turns out 10x slower than its roofline
     assert router.plan(long_prompt(), cluster()).aggregated[0] == 1
+
+
+def test_an_unmeasured_backend_takes_the_measured_ones_correction(deepseek):
+    """The roofline's error is mostly shared (its efficiency): until a backend has prefilled, it is
+    priced with the others' (geometric) mean correction, not as the roofline has it."""
+    ranker = CostRanker(deepseek)
+    assert ranker.correction("mi308x-0") == 1.0
+    converge(ranker, 4.0, 0.0, 1.0, 200)
+    converge(ranker, 1.0, 0.0, 1.0, 200, "mi308x-1")
+    assert ranker.correction("mi300x-0") == pytest.approx(4.0, rel=0.02)
+    assert ranker.correction("mi308x-0") == pytest.approx(2.0, rel=0.02)
+    predicted = ranker.predicted_ttft(long_prompt(), cluster())  # rows: mi300x-0, mi308x-0
+    roofline = CostRanker(deepseek).predicted_ttft(long_prompt(), cluster())
+    assert predicted / roofline == pytest.approx([4.0, 2.0], rel=0.02)
 
 
 def test_outcomes_without_prediction_are_ignored(deepseek):
@@ -184,7 +201,7 @@ def test_each_split_leg_is_credited_to_its_backend(deepseek):
     ranker.observe(prefill)
     ranker.observe(decode)
     assert ranker.correction("pre") > 1.0  # 2 s measured for 1 s predicted
-    assert ranker.correction("dec") == 1.0  # the decoder did no prefill
+    assert "dec" not in ranker.corrections()  # the decoder did no prefill (it takes the others' mean)
 
 
 @pytest.mark.parametrize(
