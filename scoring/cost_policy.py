@@ -15,18 +15,25 @@ reserved and reported work; prefill and transfer are `scoring/cost.py`'s rooflin
 decode step on its decode backend), each backend's seconds weighted by its compute (its dense FLOP/s
 over the cluster's largest), so the plan that uses the least of the cluster's compute wins, and a
 compute-rich backend is not spent on work a compute-poor one does as well (decode on a bandwidth-rich,
-compute-poor backend is cheap; prefill costs about the same FLOPs anywhere).
+compute-poor backend is cheap; prefill costs about the same FLOPs anywhere), plus the **delay it imposes
+on the requests already running**: a prefill on b stalls each of b's running decodes for its compute
+(chunked prefill puts its chunks into their steps), and one more sequence on d lengthens each of d's
+other sequences' steps for about this request's output length. Without that term the policy packed
+decodes onto the backends with the cheapest seconds until their TPOT broke (AMD seed cluster, shared
+system prompts: 0.25x round robin's SLO capacity), and past saturation sent 16k-token prompts to the
+compute-poor decoders, whose running decodes then missed their TPOT.
 
 **The choice.** Plans that meet the SLO (TTFT <= `ttft_s`, TPOT <= `tpot_s`, and the decode backend's
 KV holds the request) are feasible. Among them, those whose cost is within `cost_tolerance` of the
-cheapest, and of these the one that finishes first (TTFT + M * TPOT). Without a feasible plan, the one
-that finishes first. The SLO comes from the model's config (`slo: {ttft_s, tpot_s}`), the request
-(`RequestFeatures.slo_*`), or by default 5x the unloaded TTFT and 3x the unloaded TPOT of the fastest
-backend for this request (DistServe-style goodput SLO).
+cheapest, and of these the one that finishes first (TTFT + M * TPOT, plus the delay it imposes). Without
+a feasible plan, the one that finishes first by the same measure. The SLO comes from the model's config
+(`slo: {ttft_s, tpot_s}`), the request (`RequestFeatures.slo_*`), or by default 5x the unloaded TTFT and
+3x the unloaded TPOT of the fastest backend for this request (DistServe-style goodput SLO).
 
-**Roles.** Aggregated plans run on backends that may both prefill and decode (when there is none, on
-any healthy decode backend). A backend with both roles may be p in one plan and d in the next, so the
-prefill:decode ratio follows the traffic; a backend with one role only ever takes that role. `never`
+**Roles.** Aggregated plans run on any backend that may decode (a decode-only vLLM serves a request
+without KV parameters whole, as the other policies and the fluid bound assume). A backend with both
+roles may be p in one plan and d in the next, so the prefill:decode ratio follows the traffic; a
+backend with one role only ever takes that role in a split. `never`
 prices aggregated plans only; `always` split plans only (aggregated when no pair is healthy); `auto`
 both, splitting only when the decoder lacks at least `pd_min_prompt_tokens` of the prompt.
 
@@ -97,6 +104,7 @@ class _Cluster:
     transfer_per_token: np.ndarray  # [p, d] seconds per KV token, without the fixed latency
     transfer_latency: np.ndarray  # [p, d]
     fastest_prefill: ScalarStepTime  # the backend with the most compute, alone
+    fastest_prefill_row: int
     fastest_decode: ScalarStepTime  # the backend with the most memory bandwidth, alone
     rows: dict[str, int]  # backend id -> row
     compute_factor: np.ndarray
@@ -118,6 +126,9 @@ class _Priced:
     first_step: np.ndarray  # after a split: the decoder's step in progress, then its first decode step
     decode_cost: np.ndarray
     kv_ok: np.ndarray
+    step: np.ndarray  # the decode step with this request in the batch
+    stall: np.ndarray  # how much longer the running batch's steps take in all while this prefill runs
+    seqs: np.ndarray  # sequences decoding
 
 
 class CostRanker(SimpleRanker):
@@ -148,6 +159,7 @@ class CostRanker(SimpleRanker):
         self._clusters: dict[tuple[str, ...], _Cluster] = {}
         self._last: _Cluster | None = None
         self._correction: dict[str, float] = {}  # compute (prefill and queue) per backend
+        self._compute_prior = 1.0  # for a backend not measured yet: the others' geometric mean
         self._pair_correction: dict[tuple[str, str], float] = {}
 
     # --- pricing ---------------------------------------------------------------------------------------
@@ -159,10 +171,10 @@ class CostRanker(SimpleRanker):
         cached = np.minimum(c.cached_tokens, max(prompt - 1, 0))  # vLLM recomputes the last token
         new = prompt - cached
         own = prompt + out / 2.0
-        # Two decode steps on every backend: the batch as it is, and with this request in it.
-        base, step = work.tpot_s(np.stack((seqs, seqs + 1.0)), np.stack((context, context + own)))
-        wait = k * work.queue_s(c.prefill_tokens, c.prefill_len, base)
-        compute = k * work.prefill_s(new, cached, base)
+        s = work.steps(new, cached, own, seqs, context, c.prefill_tokens, c.prefill_len)
+        base, step = s.base, s.step
+        wait = k * s.wait
+        compute = k * s.prefill
         decode_cost = out * (step - base)
         # Chunked prefill shares the decode steps: the prefill queued here stretches them (taken as
         # the backend's ongoing prefill traffic), and a split's first token waits for one chunk.
@@ -170,7 +182,21 @@ class CostRanker(SimpleRanker):
         chunk_share = np.minimum(1.0, self.chunk_tokens / np.maximum(c.prefill_tokens, 1.0))
         first_step = step + wait * chunk_share
         kv_ok = context + prompt + out <= 0.95 * work.kv_capacity
-        return _Priced(wait, compute, tpot, first_step, decode_cost, kv_ok)
+        stall = k * s.stall
+        return _Priced(wait, compute, tpot, first_step, decode_cost, kv_ok, step, stall, seqs)
+
+    @staticmethod
+    def _harm(p: _Priced, out: int, slo_tpot: float) -> tuple[np.ndarray, np.ndarray]:
+        """The delay a plan imposes on the sequences already decoding (per backend: as the prefill
+        side, as the decode side), weighted by how close it brings them to the TPOT target (1 at or
+        past it, 0 without a target: a pure throughput objective counts only the plan's own time).
+        Chunked prefill puts every prefill chunk into their steps, so each waits for the whole
+        prefill (spread over about this request's output length); one more sequence lengthens each
+        of their steps. Tried and dropped: counting it only past the target (a step function): the
+        decoders were already full when it switched on (0.66x round robin on shared system prompts)."""
+        stalled = np.minimum((p.step + p.stall / out) / slo_tpot, 1.0)
+        crowded = np.minimum(p.step / slo_tpot, 1.0)
+        return stalled * p.seqs * p.stall, crowded * p.seqs * p.decode_cost
 
     def predicted_ttft(self, request: RequestFeatures, candidates: Candidates) -> np.ndarray:
         """Aggregated TTFT on every backend (queue and own prefill, corrected)."""
@@ -184,7 +210,11 @@ class CostRanker(SimpleRanker):
         tpot = request.slo_tpot_s or self.slo.tpot_s
         prompt = request.prompt_tokens
         if ttft is None:
-            ttft = self.slo.ttft_factor * cl.fastest_prefill(prompt, 0.5 * prompt * (prompt + 1), 0, 0)
+            # Corrected as that backend's measured prefills correct it: the target is relative to how
+            # fast it really is (uncorrected, a roofline that is 2x optimistic halves the target and
+            # every plan looks late).
+            unloaded = cl.fastest_prefill(prompt, 0.5 * prompt * (prompt + 1), 0, 0)
+            ttft = self.slo.ttft_factor * unloaded * float(cl.compute_factor[cl.fastest_prefill_row])
         if tpot is None:
             tpot = self.slo.tpot_factor * cl.fastest_decode(0, 0, 1, prompt + 1)
         return ttft, tpot
@@ -193,11 +223,11 @@ class CostRanker(SimpleRanker):
     def choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan:
         c = candidates
         healthy = c.healthy
-        both = healthy & c.can_prefill & c.can_decode
-        # Without a backend that may do both, aggregated serving on a single-role one is a fallback
-        # only: it is chosen when no split is allowed or possible.
-        agg_fallback = not both.any()
-        agg_mask = healthy & c.can_decode if agg_fallback else both
+        # Aggregated serving runs on any backend that may decode (a decode-only vLLM serves a request
+        # without KV parameters whole, as the other policies and the fluid bound assume); the delay its
+        # prefill imposes on the decodes running there is in the price.
+        agg_fallback = not (healthy & c.can_prefill & c.can_decode).any()
+        agg_mask = healthy & c.can_decode
         if not agg_mask.any():
             agg_mask = healthy
         if not agg_mask.any():
@@ -208,15 +238,19 @@ class CostRanker(SimpleRanker):
         out = max(request.max_tokens, 1)
         order = self._rotate(np.flatnonzero(agg_mask))
         agg_ttft = p.wait + p.compute
-        agg_finish = agg_ttft + out * p.tpot
-        agg_cost = cl.price * p.compute + cl.price * p.decode_cost
         agg_ok = (agg_ttft <= slo_ttft) & (p.tpot <= slo_tpot) & p.kv_ok
+        prefill_harm, decode_harm = self._harm(p, out, slo_tpot)
+        harm = prefill_harm + decode_harm
+        agg_finish = agg_ttft + out * p.tpot + harm
+        agg_cost = cl.price * p.compute + cl.price * p.decode_cost + harm
         agg_key = _order(order, agg_cost[order], agg_finish[order], agg_ok[order], self.cost_tolerance)
         aggregated = tuple(agg_key.tolist())
         best_agg = aggregated[0]
         pair = None
         if split.disaggregation is not Disaggregation.NEVER:
-            pair = self._best_pair(request, c, cl, p, split, (slo_ttft, slo_tpot))
+            pair = self._best_pair(
+                request, c, cl, p, split, (slo_ttft, slo_tpot), (prefill_harm, decode_harm)
+            )
         agg_pred = Prediction(
             float(p.wait[best_agg]), float(p.compute[best_agg]), 0.0, float(agg_ttft[best_agg]),
             float(p.tpot[best_agg]),
@@ -239,6 +273,7 @@ class CostRanker(SimpleRanker):
         p: _Priced,
         split: SplitSettings,
         slo: tuple[float, float],
+        harms: tuple[np.ndarray, np.ndarray],
     ) -> tuple[tuple[int, ...], tuple[int, ...], Prediction, tuple[bool, float, float]] | None:
         """The best (prefill, decode) pair with the fallbacks of each leg, or None when no pair is
         allowed. Vectorised over the pairs of the `shortlist` best of each side (by time and by cost):
@@ -262,17 +297,19 @@ class CostRanker(SimpleRanker):
                 (cl.price * p.decode_cost)[decode_rows],
             )
         )
-        transfer = cl.pair_factor[np.ix_(prefill_rows, decode_rows)] * (
-            cl.transfer_per_token[np.ix_(prefill_rows, decode_rows)] * request.prompt_tokens
-            + cl.transfer_latency[np.ix_(prefill_rows, decode_rows)]
+        pair = np.ix_(prefill_rows, decode_rows)
+        transfer = cl.pair_factor[pair] * (
+            cl.transfer_per_token[pair] * request.prompt_tokens + cl.transfer_latency[pair]
         )
+        # Each side's part of a pair's time and cost, then the [prefill, decode] matrices.
         ready = (p.wait + p.compute)[prefill_rows][:, None]
+        prefill_cost = (cl.price * p.compute + harms[0])[prefill_rows][:, None]
         tpot = p.tpot[decode_rows][None, :]
+        decode_time = (p.first_step + out * p.tpot + harms[1])[decode_rows][None, :]
+        decode_cost = (cl.price * p.decode_cost + harms[1])[decode_rows][None, :]
         ttft = ready + transfer + p.first_step[decode_rows][None, :]
-        finish = ttft + out * tpot
-        cost = (cl.price * p.compute)[prefill_rows][:, None] + (cl.price * p.decode_cost)[decode_rows][
-            None, :
-        ]
+        finish = ready + transfer + decode_time + harms[0][prefill_rows][:, None]
+        cost = prefill_cost + decode_cost
         ok = (ttft <= slo[0]) & (tpot <= slo[1]) & p.kv_ok[decode_rows][None, :]
         same = prefill_rows[:, None] == decode_rows[None, :]
         if same.all():
@@ -303,6 +340,7 @@ class CostRanker(SimpleRanker):
             return
         if outcome.leg in (Leg.AGGREGATED, Leg.PREFILL):
             self._learn(self._correction, outcome.backend_id, outcome.ttft_s, pred.compute_s, pred.wait_s)
+            self._spread_prior()
         if outcome.leg is Leg.DECODE:
             first_step = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
             key = (outcome.peer_id, outcome.backend_id)
@@ -320,15 +358,25 @@ class CostRanker(SimpleRanker):
         if part <= 0 or not math.isfinite(measured) or total <= 0:
             return
         ratio = (measured - rest) / part
-        old = table.get(key, 1.0)
+        old = table.get(key, self.correction(key) if isinstance(key, str) else 1.0)
         step = 1.0 + self.learning_rate * (part / total) * (ratio - 1.0)
         table[key] = float(np.clip(old * max(step, 0.5), *_CLIP))
         for cl in self._clusters.values():  # the arrays the pricing reads
             cl.set_factor(key, table[key])
 
     def correction(self, backend_id: str) -> float:
-        """The compute correction of one backend (1.0: the roofline as it is)."""
-        return self._correction.get(backend_id, 1.0)
+        """The compute correction of one backend (1.0: the roofline as it is). A backend that has not
+        prefilled yet takes the geometric mean of the others': most of the roofline's error is shared
+        (the efficiency it assumes), and without it an unmeasured backend looks as many times faster
+        than a measured one as the roofline is optimistic (seed cluster: every 16k prompt sent to the
+        never-measured MI308X servers, 5.6x slower in truth)."""
+        return self._correction.get(backend_id, self._compute_prior)
+
+    def _spread_prior(self) -> None:
+        values = np.fromiter(self._correction.values(), dtype=float)
+        self._compute_prior = float(np.exp(np.log(values).mean())) if values.size else 1.0
+        for cl in self._clusters.values():
+            cl.compute_factor[:] = [self.correction(s.id) for s in cl.specs]
 
     def corrections(self) -> dict[str, float]:
         return dict(self._correction)
@@ -353,9 +401,10 @@ class CostRanker(SimpleRanker):
                 np.asarray(per_token),
                 np.asarray(latency),
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.gemm_flops))), self.efficiency),
+                int(np.argmax(hw.gemm_flops)),
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.mem_bw))), self.efficiency),
                 {s.id: i for i, s in enumerate(specs)},
-                np.array([self._correction.get(s.id, 1.0) for s in specs]),
+                np.array([self.correction(s.id) for s in specs]),
                 np.array([[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]),
             )
             self._clusters[key] = cl

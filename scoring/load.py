@@ -21,6 +21,8 @@ One formula in two halves, both vectorised over backends and used alike by the l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from scoring.catalog import ModelSpec
@@ -29,7 +31,6 @@ from scoring.cost import (
     Efficiency,
     Hardware,
     causal_pairs,
-    decode_step_time,
     kv_capacity_tokens,
     step_time,
 )
@@ -121,6 +122,17 @@ def load_columns(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Steps:
+    """`WorkModel.steps`: seconds per backend (see there)."""
+
+    base: np.ndarray
+    step: np.ndarray
+    wait: np.ndarray
+    prefill: np.ndarray
+    stall: np.ndarray
+
+
 class WorkModel:
     """Prices `Candidates`' load columns in seconds on each backend's hardware (rows as in `hw`)."""
 
@@ -141,30 +153,49 @@ class WorkModel:
         """Decoding context: the reserved one, or what vLLM's KV usage says is held, whichever is more."""
         return np.asarray(np.maximum(context_tokens, kv_usage * self.kv_capacity))
 
-    def tpot_s(self, seqs: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """One decode step of `seqs` sequences over `context` tokens (0 for no sequence)."""
-        return np.asarray(decode_step_time(self.model, self.hw, seqs, context, self.efficiency))
+    def steps(
+        self,
+        new_tokens: np.ndarray,
+        cached_tokens: np.ndarray,
+        own_context: float,
+        seqs: np.ndarray,
+        context: np.ndarray,
+        prefill_tokens: np.ndarray,
+        prefill_len: np.ndarray,
+    ) -> Steps:
+        """What a new request meets on every backend, in seconds, from one vectorised `step_time` over
+        five rows (one call: the routing decision is on the request path):
+
+        - `base`, `step`: one decode step of the running batch, without and with this request
+          (`own_context` tokens of context);
+        - `wait`: the prefill queued ahead (`prefill_tokens` of prompts `prefill_len` long, in one
+          roofline pass: chunks of several prompts batch together), with the decode steps it rides;
+        - `prefill`: this request's own prefill of `new_tokens` after `cached_tokens`, likewise;
+        - `stall`: how much longer the running batch's steps take, in all, while that prefill shares
+          them (chunked prefill): the mixed step minus the decode-only one, weights counted once.
+        """
+        zero = np.zeros_like(seqs)
+        own_pairs = causal_pairs(new_tokens, cached_tokens)
+        queued_pairs = prefill_tokens / prefill_len * causal_pairs(prefill_len, 0)
+        rows = step_time(
+            self.model,
+            self.hw,
+            np.stack((zero, zero, prefill_tokens, new_tokens + zero, new_tokens + zero)),
+            np.stack((zero, zero, queued_pairs, own_pairs + zero, own_pairs + zero)),
+            np.stack((seqs, seqs + 1.0, zero, zero, seqs)),
+            np.stack((context, context + own_context, zero, zero, context)),
+            self.efficiency,
+        )
+        base, step, queued, own, mixed = rows
+        return Steps(
+            base=base,
+            step=step,
+            wait=queued + self.riding_s(prefill_tokens, base),
+            prefill=own + self.riding_s(new_tokens, base),
+            stall=np.maximum(mixed - base, 0.0),
+        )
 
     def riding_s(self, tokens: np.ndarray, decode_step: np.ndarray) -> np.ndarray:
         """Decode work that shares the chunked-prefill steps of `tokens` prefill tokens, for the running
-        batch's `decode_step` (`tpot_s` of it)."""
+        batch's `decode_step`."""
         return np.asarray(np.ceil(np.asarray(tokens, dtype=float) / self.chunk_tokens) * decode_step)
-
-    def queue_s(
-        self, prefill_tokens: np.ndarray, prefill_len: np.ndarray, decode_step: np.ndarray
-    ) -> np.ndarray:
-        """Seconds of prefill work ahead of a new request (0 on an idle backend): the queued tokens in
-        one roofline pass (chunks of several prompts batch together), attention per prompt."""
-        prompts = prefill_tokens / prefill_len
-        pairs = prompts * causal_pairs(prefill_len, 0)
-        own = step_time(self.model, self.hw, prefill_tokens, pairs, 0, 0, self.efficiency)
-        return np.asarray(own + self.riding_s(prefill_tokens, decode_step))
-
-    def prefill_s(
-        self, new_tokens: np.ndarray, cached_tokens: np.ndarray, decode_step: np.ndarray
-    ) -> np.ndarray:
-        """Seconds of a request's own prefill of `new_tokens` after `cached_tokens`."""
-        own = step_time(
-            self.model, self.hw, new_tokens, causal_pairs(new_tokens, cached_tokens), 0, 0, self.efficiency
-        )
-        return np.asarray(own + self.riding_s(new_tokens, decode_step))

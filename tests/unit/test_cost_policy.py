@@ -92,27 +92,57 @@ def test_plan_carries_its_prediction(deepseek):
 
 
 def test_tpot_slo_excludes_a_crowded_decoder(deepseek):
-    """The MI300X holds the prompt (cheapest prefill) but decodes a huge batch: over a tight TPOT SLO."""
-    crowded = BackendStats(in_flight=120, running=120, decode_seqs=120, context_tokens=120 * 9000)
+    """The MI300X holds a 32k-token prompt (cheapest prefill by far) but decodes long contexts: over a
+    tight TPOT SLO. (A crowd of many sequences would already lose on the delay it suffers from one more.)"""
+    crowded = BackendStats(in_flight=8, running=8, decode_seqs=8, context_tokens=8 * 120_000)
     router = build_router("cost", model=deepseek)
-    busy = cluster((crowded, BackendStats()), cached=(7900, 0))
-    lax = router.plan(long_prompt(slo_ttft_s=100.0, slo_tpot_s=10.0), busy)
+    busy = cluster((crowded, BackendStats()), cached=(31_900, 0))
+
+    def request(tpot_s: float) -> RequestFeatures:
+        return RequestFeatures("m", prompt_tokens=32_000, max_tokens=64, slo_ttft_s=100.0, slo_tpot_s=tpot_s)
+
+    lax = router.plan(request(10.0), busy)
     assert lax.aggregated[0] == 0
-    tight = router.plan(long_prompt(slo_ttft_s=100.0, slo_tpot_s=0.03), busy)
+    tight = router.plan(request(0.02), busy)
     assert tight.predicted is not None and lax.predicted is not None
-    assert lax.predicted.tpot_s > 0.03
+    assert lax.predicted.tpot_s > 0.02 >= tight.predicted.tpot_s
     assert tight.aggregated[0] == 1
 
 
-def converge(ranker: CostRanker, truth: float, queue: float, compute: float, rounds: int) -> float:
+def test_a_decode_only_backend_serves_short_requests_whole(deepseek):
+    """As under the other policies (and in the fluid bound): a decode-only vLLM serves a request without
+    KV parameters whole. A short prompt costs the compute-poor MI308X little to prefill."""
+    short = RequestFeatures("m", prompt_tokens=300, max_tokens=200)
+    plan = build_router("cost", model=deepseek).plan(short, cluster(roles=(BOTH, D)))
+    assert plan.mode is Mode.AGGREGATED and plan.aggregated[0] == 1
+
+
+@pytest.mark.parametrize("running", [0, 16])
+def test_a_long_prefill_keeps_off_a_decoder_with_running_sequences(deepseek, running):
+    """The MI300X has 16k-token prompts queued; the decode-only MI308X would finish this one sooner. Idle,
+    it takes it; with sequences decoding, the delay a 16k prefill would impose on each of them (chunked
+    prefill stalls their steps) outweighs the queue, and the MI300X takes it."""
+    decoding = BackendStats(
+        in_flight=running, running=running, decode_seqs=running, context_tokens=running * 16_000
+    )
+    request = RequestFeatures("m", prompt_tokens=16_000, max_tokens=128, slo_ttft_s=100.0, slo_tpot_s=10.0)
+    plan = build_router("cost", model=deepseek).plan(
+        request, cluster((queued(2, 16_000), decoding), roles=(BOTH, D))
+    )
+    assert plan.aggregated[0] == (1 if running == 0 else 0)
+
+
+def converge(
+    ranker: CostRanker, truth: float, queue: float, compute: float, rounds: int, backend: str = "mi300x-0"
+) -> float:
     """Feed outcomes of a backend whose compute is `truth` times the roofline, with `queue` seconds of
     roofline work ahead; each prediction carries the correction learnt so far (as plans do)."""
     for _ in range(rounds):
-        k = ranker.correction("mi300x-0")
+        k = ranker.correction(backend)
         pred = Prediction(wait_s=k * queue, compute_s=k * compute, ttft_s=k * (queue + compute))
         measured = truth * (queue + compute)
-        ranker.observe(Outcome("mi300x-0", Mode.AGGREGATED, 8000, 0, 64, measured, measured, predicted=pred))
-    return ranker.correction("mi300x-0")
+        ranker.observe(Outcome(backend, Mode.AGGREGATED, 8000, 0, 64, measured, measured, predicted=pred))
+    return ranker.correction(backend)
 
 
 @pytest.mark.parametrize(("truth", "queue"), [(3.0, 0.0), (3.0, 10.0), (0.5, 10.0), (1.0, 50.0)])
@@ -124,8 +154,23 @@ def test_calibration_converges_and_a_queue_is_not_slowness(deepseek, truth, queu
 def test_measured_slowness_moves_traffic(deepseek):
     router = build_router("cost", "never", model=deepseek)
     assert router.plan(long_prompt(), cluster()).aggregated[0] == 0
+    converge(router.ranker, 1.0, 0.0, 1.0, 50, "mi308x-0")  # the MI308X is as fast as its roofline
     converge(router.ranker, 10.0, 0.0, 1.0, 200)  # the MI300X turns out 10x slower than its roofline
     assert router.plan(long_prompt(), cluster()).aggregated[0] == 1
+
+
+def test_an_unmeasured_backend_takes_the_measured_ones_correction(deepseek):
+    """The roofline's error is mostly shared (its efficiency): until a backend has prefilled, it is
+    priced with the others' (geometric) mean correction, not as the roofline has it."""
+    ranker = CostRanker(deepseek)
+    assert ranker.correction("mi308x-0") == 1.0
+    converge(ranker, 4.0, 0.0, 1.0, 200)
+    converge(ranker, 1.0, 0.0, 1.0, 200, "mi308x-1")
+    assert ranker.correction("mi300x-0") == pytest.approx(4.0, rel=0.02)
+    assert ranker.correction("mi308x-0") == pytest.approx(2.0, rel=0.02)
+    predicted = ranker.predicted_ttft(long_prompt(), cluster())  # rows: mi300x-0, mi308x-0
+    roofline = CostRanker(deepseek).predicted_ttft(long_prompt(), cluster())
+    assert predicted / roofline == pytest.approx([4.0, 2.0], rel=0.02)
 
 
 def test_outcomes_without_prediction_are_ignored(deepseek):
@@ -156,7 +201,7 @@ def test_each_split_leg_is_credited_to_its_backend(deepseek):
     ranker.observe(prefill)
     ranker.observe(decode)
     assert ranker.correction("pre") > 1.0  # 2 s measured for 1 s predicted
-    assert ranker.correction("dec") == 1.0  # the decoder did no prefill
+    assert "dec" not in ranker.corrections()  # the decoder did no prefill (it takes the others' mean)
 
 
 @pytest.mark.parametrize(

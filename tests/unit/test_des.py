@@ -151,7 +151,7 @@ def test_seed_case_report_shape_and_bound(tmp_path: Any) -> None:
     simulated = report["simulated"]
     assert set(report["published"]) == {"mi300x_alone", "mi308x_alone", "load_balanced", "disaggregated"}
     assert {"mi300x_alone", "mi308x_alone", "load_balanced", "disaggregated", "upper_bound"} <= set(simulated)
-    cluster = ("load_balanced", "disaggregated", "load_balanced_least_load", "cost_auto")
+    cluster = ("load_balanced", "disaggregated", "load_balanced_least_load", "cost_auto", "cost_auto_slo")
     assert all(0 < simulated[k] <= simulated["upper_bound"] for k in cluster)
     assert simulated["mi300x_alone"] > simulated["mi308x_alone"]
     path = tmp_path / "seed.png"
