@@ -9,10 +9,10 @@ streams cut or ended with an in-band error mid-way, a failing prefill leg.
 
 Printed at the end: requests by outcome; errors by cause; how many failed before any byte reached the
 client (the gateway could have retried those elsewhere: at most two backends are faulty at once and
-`max_attempts` is 3, so every one of them counts as lost); streams cut without an error event (silent
-truncation); the gateway's RSS and open descriptors after warm-up and after the load (growth); the
-backends' in-flight count once idle; tracebacks in the gateway log. `--check` exits 1 on a lost
-request, a silent truncation, a leaked in-flight count or RSS growth over 5 %.
+`retry.num_retries` is 2, three attempts, so every one of them counts as lost); streams cut without an
+error event (silent truncation); the gateway's RSS and open descriptors after warm-up and after the
+load (growth); the backends' in-flight count once idle; tracebacks in the gateway log. `--check` exits 1
+on a lost request, a silent truncation, a leaked in-flight count or RSS growth over 5 %.
 """
 
 from __future__ import annotations
@@ -115,11 +115,11 @@ def gateway_config(backends: list[Backend]) -> dict[str, Any]:
         "backends": [b.config() for b in backends],
         "routing": {"policy": "least_load", "disaggregation": "auto", "pd_min_prompt_tokens": 256},
         "timeouts": {"connect_s": 1.0, "ttfb_s": TTFB_S, "idle_s": 5.0},
-        "limits": {"max_attempts": 3},
+        "retry": {"num_retries": 2},
         # The prefix index's TTL is one cycle, so the index is full (steady) once the warm-up is over and its
         # filling is not counted as growth; with the default 600 s it fills for the first 10 minutes.
         "index": {"ttl_s": CYCLE_S},
-        "health": {"interval_s": 0.5, "timeout_s": 0.5, "failure_threshold": 2, "recovery_s": 2.0},
+        "health": {"interval_s": 0.5, "timeout_s": 0.5, "failure_threshold": 2},
     }
 
 
