@@ -3,7 +3,7 @@ EPP would, because each counts the requests the other holds in flight (gateway/r
 
 The backends differ in capacity (3 and 2 sequences), so `least_load` has a tie only at the first request:
 every later decision is forced by the load the deciding replica sees, and the whole route sequence can be
-compared, not just the totals. Non-streamed replies of ~4 s keep every request in flight (the EPP holds a
+compared, not just the totals. Non-streamed replies of ~6 s keep every request in flight (the EPP holds a
 reservation until the response headers, which come with the whole reply) until the last one is routed.
 """
 
@@ -70,7 +70,7 @@ def route_in_turn(replicas: list[Replica], wait_for_share: bool) -> list[str]:
             until(lambda i=i: own_in_flight(replicas) == i, f"the EPPs hold {i} reservations")
             if wait_for_share:
                 until(lambda i=i, t=target: cluster_in_flight(t) == i, f"the replica counts all {i}")
-            body = chat_body(f"request {i}", max_tokens=200)
+            body = chat_body(f"request {i}", max_tokens=300)
             replies.append(pool.submit(client.post, f"{target.envoy.url}/v1/chat/completions", json=body))
         assert all(r.result().status_code == 200 for r in replies)
         return [served_by(r.result()) for r in replies]
