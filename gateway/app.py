@@ -31,11 +31,10 @@ from gateway.poller import Poller
 from gateway.prefix import PrefixServices, build_prefix_services
 from gateway.proxy import Proxy
 from gateway.registry import BackendState, HealthEvent, Registry
-from gateway.replicas import SharedLoad, replica_id
+from gateway.replicas import start_shared_load
 from gateway.retry import failing_statuses
 from gateway.schemas import Kind
 from gateway.upstream import Upstream
-from kvindex.load_share import LoadShare
 from scoring.catalog import load_catalog
 
 log = logging.getLogger("hetgate")
@@ -168,11 +167,9 @@ def start_live_changes(
         tasks.append(asyncio.create_task(kube.run(), name="discovery-kubernetes"))
     if state.metrics.multiprocess:
         tasks.append(asyncio.create_task(state.metrics.refresh_every(1.0), name="metrics-refresh"))
-    index = state.config.index
-    if index.store == "redis" and index.share_load:
-        share = LoadShare.from_url(index.redis_url, index.key_prefix, replica_id(), index.share_ttl_s)
-        shared = SharedLoad(state.registry, share, index.share_interval_s, index.share_ttl_s)
-        tasks.append(asyncio.create_task(shared.run(), name="shared-load"))
+    shared = start_shared_load(state.registry, state.config.index)
+    if shared is not None:
+        tasks.append(shared)
     if config_path is not None:
         reloader = ConfigReloader(config_path, state, live, read=_read_config)
         reloader.install_signal()

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 
+from gateway.config import IndexConfig
 from gateway.registry import Registry
 from kvindex.load_share import LoadShare
 
@@ -51,6 +52,17 @@ class SharedLoad:
             others = {}
         for backend in self.registry.backends.values():
             backend.remote_in_flight = others.get(backend.id, 0)
+
+
+def start_shared_load(registry: Registry, index: IndexConfig) -> asyncio.Task[None] | None:
+    """The load sharing of `serve` and `epp` alike: with the Redis store and `index.share_load`, a task
+    that publishes this process's in-flight counts and reads every other replica's into `registry`
+    (the one writer of `remote_in_flight`); None when the configuration shares nothing."""
+    if index.store != "redis" or not index.share_load:
+        return None
+    share = LoadShare.from_url(index.redis_url, index.key_prefix, replica_id(), index.share_ttl_s)
+    shared = SharedLoad(registry, share, index.share_interval_s, index.share_ttl_s)
+    return asyncio.create_task(shared.run(), name="shared-load")
 
 
 def replica_id() -> str:

@@ -14,6 +14,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 import httpx
@@ -22,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.config import GatewayConfig
 from gateway.decision import Decider, build_routers, needs_prompt_tokens
@@ -32,6 +33,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.poller import Poller
 from gateway.prefix import build_prefix_services
 from gateway.registry import BackendState, HealthEvent, Registry
+from gateway.replicas import start_shared_load
 from gateway.retry import RetryPolicy, failing_statuses
 from gateway.upstream import Upstream
 
@@ -101,9 +103,8 @@ async def run(config: GatewayConfig, listen: Listen, settings: PickerSettings) -
     readiness = Readiness(health)
     registry = Registry(config, _health_hook(metrics, readiness))
     readiness.watch(registry)
-    for backend in registry.backends.values():
-        metrics.healthy.labels(backend.id).set_function(_available_of(registry, backend))
-        metrics.in_flight.labels(backend.id).set_function(_in_flight_of(backend))
+    for backend in registry.backends.values():  # the same series as `serve`'s, refreshed at each scrape
+        metrics.watch_backend(backend, partial(registry.available, backend))
     prefix = await build_prefix_services(config, registry, metrics)
     failing = failing_statuses(config.retry)
     upstream = Upstream(config.timeouts, failing, config.limits.max_response_bytes)
@@ -118,6 +119,8 @@ async def run(config: GatewayConfig, listen: Listen, settings: PickerSettings) -
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     grpc_port = server.add_insecure_port(f"{listen.host}:{listen.grpc_port}")
     metrics_site = await _metrics_site(metrics, listen)
+    # Other replicas' in-flight counts, shared as `serve` shares them (gateway/replicas.py).
+    shared = start_shared_load(registry, config.index)
     try:
         async with httpx.AsyncClient() as control_client:
             poller = Poller(registry, control_client)
@@ -131,18 +134,13 @@ async def run(config: GatewayConfig, listen: Listen, settings: PickerSettings) -
             await server.stop(grace=5)
             await poller.stop()
     finally:
+        if shared is not None:
+            shared.cancel()  # its own `finally` closes the Redis client
+            await asyncio.gather(shared, return_exceptions=True)
         await metrics_site.cleanup()
         if prefix:
             await prefix.close()
         await upstream.close()
-
-
-def _in_flight_of(backend: BackendState) -> Callable[[], float]:
-    return lambda: backend.in_flight
-
-
-def _available_of(registry: Registry, backend: BackendState) -> Callable[[], float]:
-    return lambda: float(registry.available(backend))
 
 
 def _health_hook(
@@ -162,7 +160,7 @@ def _health_hook(
 
 async def _metrics_site(metrics: GatewayMetrics, listen: Listen) -> web.AppRunner:
     async def scrape(_request: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry)
+        body = metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def alive(_request: web.Request) -> web.Response:
