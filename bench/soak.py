@@ -197,6 +197,7 @@ class Result:
     outcome: str  # ok | disconnected | status_NNN | stream_error | truncated | reset | timeout | bad_body
     before_first_byte: bool  # the failure happened before the gateway sent the client any byte
     mode: str
+    why: str = ""  # an error reply's `error.code` or `error.type` (the gateway's or a backend's words)
 
 
 def request_shape(rng: random.Random) -> tuple[str, dict[str, Any]]:
@@ -221,8 +222,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Rand
         async with session.post(url + path, json=body) as response:
             mode = response.headers.get("x-hetgate-route", "mode=?").split(";")[0].removeprefix("mode=")
             if response.status != 200:
-                await response.read()
-                return Result(f"status_{response.status}", True, mode)
+                return Result(f"status_{response.status}", True, mode, error_kind(await response.read()))
             if disconnect:
                 await response.content.readany()
                 return Result("disconnected", False, mode)
@@ -235,6 +235,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Rand
         return Result("timeout", True, "?")
     except (aiohttp.ClientError, json.JSONDecodeError):
         return Result("reset", True, "?")
+
+
+def error_kind(body: bytes) -> str:
+    """An OpenAI-shaped error's code (or type); the message is not kept (it may quote a backend)."""
+    try:
+        error = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        return "not-json"
+    return str(error.get("code") or error.get("type") or "?")
 
 
 async def read_stream(response: aiohttp.ClientResponse, slow: bool, mode: str) -> Result:
@@ -291,14 +300,23 @@ async def sample_rss(pid: int, until: float) -> list[float]:
     return samples
 
 
-async def in_flight(url: str) -> float:
+GATEWAY_COUNTS = (
+    "hetgate:backend_in_flight",
+    "hetgate:retries_total",
+    "hetgate:retry_budget_exhausted_total",
+)
+
+
+async def gateway_counts(url: str) -> dict[str, float]:
+    """Sums over labels of a few of the gateway's series (in flight once idle; retries and refusals)."""
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
         text = await response.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("hetgate:backend_in_flight{")
-    )
+    sums = dict.fromkeys(GATEWAY_COUNTS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return sums
 
 
 async def soak(
@@ -329,7 +347,7 @@ async def soak(
         "rss": (rss_start, rss_end),
         "rss_samples": await samples,
         "fds": (fds_start, fds_end),
-        "in_flight_after": await in_flight(gateway.url),
+        "gateway_counts": await gateway_counts(gateway.url),
         "tracebacks": gateway.log_path.read_text(errors="replace").count("Traceback"),
     }
 
@@ -352,7 +370,9 @@ def report(figures: dict[str, Any]) -> dict[str, Any]:
         "modes": dict(modes.most_common()),
         "errors_by_mode": dict(
             Counter(
-                f"{r.outcome} ({r.mode})" for r in results if r.outcome not in ("ok", "disconnected")
+                f"{r.outcome} ({r.mode}{', ' + r.why if r.why else ''})"
+                for r in results
+                if r.outcome not in ("ok", "disconnected")
             ).most_common()
         ),
         "lost_retriable": lost,
@@ -362,7 +382,9 @@ def report(figures: dict[str, Any]) -> dict[str, Any]:
         "rss_growth_pct": round(100 * (rss_end - rss_start) / rss_start, 2),
         "rss_samples_mib": figures["rss_samples"],
         "fds": (fds_start, fds_end),
-        "in_flight_after": figures["in_flight_after"],
+        "in_flight_after": figures["gateway_counts"]["hetgate:backend_in_flight"],
+        "retries": figures["gateway_counts"]["hetgate:retries_total"],
+        "retry_budget_exhausted": figures["gateway_counts"]["hetgate:retry_budget_exhausted_total"],
         "gateway_tracebacks": figures["tracebacks"],
         "fault_actions": len(figures["faults"]),
     }
@@ -381,6 +403,8 @@ def print_report(summary: dict[str, Any], faults: list[str]) -> None:
     print(f"route modes: {summary['modes']}")
     print(f"errors by cause and route: {summary['errors_by_mode']}")
     print(f"lost (failed before the first byte, retriable elsewhere): {summary['lost_retriable']}")
+    retries, refused = summary["retries"], summary["retry_budget_exhausted"]
+    print(f"gateway retries: {retries:g}, refused by the retry budget: {refused:g}")
     print(
         f"silent truncations (cut without an error event, or after [DONE]): {summary['silent_truncations']}"
     )

@@ -15,7 +15,10 @@ before its first byte (a dead backend, a 500, a stall, a 429/503 busy backend) t
 retried generation costs the pool a second prefill, so retries are capped by a budget, as Envoy's
 `retry_budget`: at most `budget_percent` of active requests (legs in flight, plus this request) may be
 retrying at once, and `min_retry_concurrency` always may. A retry holds its budget token from the decision
-until its attempt's outcome (response headers or failure), not for the whole generation.
+until its attempt's outcome (response headers or failure), not for the whole generation. A retry after a
+connect failure takes no token: the refused attempt cost no backend any work, and without the exemption a
+killed backend's share of the traffic (every request routed there before health checks notice, ~20 in a
+second at 80 req/s) overran the budget at once and reached clients as 502 (`hetgate bench soak`).
 
 Blame (what feeds outlier detection, gateway/outlier.py), so that a client cannot get backends ejected
 with requests that fail because of what they contain:
@@ -192,6 +195,8 @@ class Attempts:
         policy = self._policy
         if tried >= min(candidates, policy.max_attempts) or not policy.matches(failure):
             return False
+        if failure.kind == "connect":
+            return True
         if not policy.budget.acquire(policy.registry.in_flight_total() + 1):
             policy.metrics.retry_budget_exhausted.inc()
             return False

@@ -121,25 +121,37 @@ def test_budget_is_a_share_of_active_requests_with_a_floor():
 def test_exhausted_budget_stops_retries_and_is_counted():
     retry, _, metrics = policy(budget_percent=0, min_retry_concurrency=1)
     with retry.attempts() as first, retry.attempts() as second:
-        assert first.should_retry(CONNECT, 1, 3)
-        assert not second.should_retry(CONNECT, 1, 3)
+        assert first.should_retry(RESET, 1, 3)
+        assert not second.should_retry(RESET, 1, 3)
     assert metrics.retry_budget_exhausted._value.get() == 1
     with retry.attempts() as third:  # the tokens went back when the attempts ended
-        assert third.should_retry(CONNECT, 1, 3)
+        assert third.should_retry(RESET, 1, 3)
     assert retry.budget.active == 0
+
+
+def test_a_refused_connection_is_retried_outside_the_budget():
+    """It cost no backend any work: a dead backend's traffic must not spend the budget meant for redone
+    prefills (a killed backend's ~20 requests in its first second overran it in the soak)."""
+    retry, _, metrics = policy(budget_percent=0, min_retry_concurrency=0)
+    with retry.attempts() as first, retry.attempts() as second:
+        assert first.should_retry(CONNECT, 1, 3) and second.should_retry(CONNECT, 1, 3)
+        assert not first.should_retry(CONNECT, 3, 3)  # num_retries and the plan still bound it
+        assert not second.should_retry(RESET, 1, 3)  # work may have been done: the budget applies
+    assert retry.budget.active == 0
+    assert metrics.retry_budget_exhausted._value.get() == 1
 
 
 def test_a_retry_token_is_given_back_by_the_next_outcome_and_on_exit():
     retry, registry, _ = policy()
     b0, b1 = registry.backends["b0"], registry.backends["b1"]
     with retry.attempts() as tries:
-        tries.failed(b0, CONNECT)
-        assert tries.should_retry(CONNECT, 1, 3)
+        tries.failed(b0, RESET)
+        assert tries.should_retry(RESET, 1, 3)
         assert retry.budget.active == 1
         tries.succeeded(b1, 200)
         assert retry.budget.active == 0
     with pytest.raises(RuntimeError), retry.attempts() as tries:
-        assert tries.should_retry(CONNECT, 1, 3)
+        assert tries.should_retry(RESET, 1, 3)
         raise RuntimeError("the client left")
     assert retry.budget.active == 0
 
