@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -110,12 +109,9 @@ class _Cluster:
     compute_factor: np.ndarray
     pair_factor: np.ndarray  # [p, d]
 
-    def set_factor(self, key: str | tuple[str, str], value: float) -> None:
-        if isinstance(key, tuple):
-            if key[0] in self.rows and key[1] in self.rows:
-                self.pair_factor[self.rows[key[0]], self.rows[key[1]]] = value
-        elif key in self.rows:
-            self.compute_factor[self.rows[key]] = value
+    def set_pair_factor(self, pair: tuple[str, str], value: float) -> None:
+        if pair[0] in self.rows and pair[1] in self.rows:
+            self.pair_factor[self.rows[pair[0]], self.rows[pair[1]]] = value
 
 
 @dataclass(slots=True)
@@ -339,30 +335,32 @@ class CostRanker(SimpleRanker):
         if pred is None or outcome.ttft_s <= 0:
             return
         if outcome.leg in (Leg.AGGREGATED, Leg.PREFILL):
-            self._learn(self._correction, outcome.backend_id, outcome.ttft_s, pred.compute_s, pred.wait_s)
-            self._spread_prior()
+            backend = outcome.backend_id
+            k = self._learn(self.correction(backend), outcome.ttft_s, pred.compute_s, pred.wait_s)
+            if k is not None:
+                self._correction[backend] = k
+                self._refresh_compute_factors()
         if outcome.leg is Leg.DECODE:
             first_step = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
-            key = (outcome.peer_id, outcome.backend_id)
-            self._learn(self._pair_correction, key, outcome.ttft_s, pred.transfer_s, first_step)
+            pair = (outcome.peer_id, outcome.backend_id)
+            t = self._learn(self._pair_correction.get(pair, 1.0), outcome.ttft_s, pred.transfer_s, first_step)
+            if t is not None:
+                self._pair_correction[pair] = t
+                for cl in self._clusters.values():  # the arrays the pricing reads
+                    cl.set_pair_factor(pair, t)
 
-    def _learn(
-        self, table: dict[Any, float], key: str | tuple[str, str], measured: float, part: float, rest: float
-    ) -> None:
+    def _learn(self, old: float, measured: float, part: float, rest: float) -> float | None:
         """Correct `part` (the predicted seconds this correction scales) from a measurement of
         `part + rest`: the part's own ratio, (measured - rest) / part, weighted by its share of the
         prediction. With the queue as `rest` this corrects compute only, and the weight keeps it stable
         when the queue dominates (it equals moving by the relative error of the whole prediction). The
-        prediction carried the old correction, so the ratio is relative to it."""
+        prediction carried the `old` correction, so the ratio is relative to it. None: nothing to learn."""
         total = part + rest
         if part <= 0 or not math.isfinite(measured) or total <= 0:
-            return
+            return None
         ratio = (measured - rest) / part
-        old = table.get(key, self.correction(key) if isinstance(key, str) else 1.0)
         step = 1.0 + self.learning_rate * (part / total) * (ratio - 1.0)
-        table[key] = float(np.clip(old * max(step, 0.5), *_CLIP))
-        for cl in self._clusters.values():  # the arrays the pricing reads
-            cl.set_factor(key, table[key])
+        return float(np.clip(old * max(step, 0.5), *_CLIP))
 
     def correction(self, backend_id: str) -> float:
         """The compute correction of one backend (1.0: the roofline as it is). A backend that has not
@@ -372,7 +370,8 @@ class CostRanker(SimpleRanker):
         never-measured MI308X servers, 5.6x slower in truth)."""
         return self._correction.get(backend_id, self._compute_prior)
 
-    def _spread_prior(self) -> None:
+    def _refresh_compute_factors(self) -> None:
+        """The prior of unmeasured backends, and every cluster's compute factors (what pricing reads)."""
         values = np.fromiter(self._correction.values(), dtype=float)
         self._compute_prior = float(np.exp(np.log(values).mean())) if values.size else 1.0
         for cl in self._clusters.values():
