@@ -28,7 +28,9 @@ MEDIAN_BOUND = 0.25  # held-out median |sim / real - 1| per metric (see the modu
 def test_calibrated_simulator_predicts_held_out_points(
     vllm_fleet: VllmFleet, aggregated_specs: tuple[ServerSpec, ServerSpec], tmp_path: Path
 ) -> None:
-    (server,) = vllm_fleet.acquire([aggregated_specs[0]])  # the session's server, reused when running
+    # The session's server, reused when running; the others stopped, since their engines busy-poll the
+    # CPU: with the NIXL pair still up, one CI run measured a 35 % held-out TTFT median.
+    (server,) = vllm_fleet.acquire([aggregated_specs[0]], alone=True)
     report_path = tmp_path / "fidelity.json"
     command = [
         sys.executable, "-m", "gateway.cli", "bench", "fidelity",
