@@ -70,6 +70,7 @@ class ApproximateIndexRouter:
         self.name = f"{inner.name}+approx"
         self.uses_prefix_index = False  # it looks prefixes up itself, in its own index
         self.learns = inner.learns
+        self.uses_work = inner.uses_work
 
     def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
         cached = np.zeros(len(candidates), dtype=np.int64)

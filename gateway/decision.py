@@ -153,10 +153,11 @@ class Decider:
         features, cached = await self._features(request, pool, headers)
         if slo != NO_SLO_OVERRIDE:
             features = dataclasses.replace(features, slo_ttft_s=slo[0], slo_tpot_s=slo[1])
-        candidates = self.registry.candidates(pool, cached)
+        router = self.routers[request.model]
+        candidates = self.registry.candidates(pool, cached, router.uses_work)
         if eligible is not None:
             candidates.healthy = candidates.healthy & eligible
-        plan = self.routers[request.model].plan(features, candidates)
+        plan = router.plan(features, candidates)
         self.metrics.route_decisions.labels(request.model, plan.mode.value, plan.reason).inc()
         if not plan.aggregated:
             raise NoBackend("No healthy backend serves this model.")

@@ -23,7 +23,7 @@ import numpy as np
 from gateway.config import BackendConfig, GatewayConfig, Health, ModelConfig
 from gateway.outlier import OutlierPool, OutlierState, Verdict
 from gateway.stats import VllmLoad
-from scoring.load import Reserved, load_columns
+from scoring.load import Reserved, load_columns, request_load
 from scoring.types import BackendSpec, Candidates, LegLoad, Role
 
 
@@ -135,8 +135,21 @@ class ModelPool:
             return self._everyone
         return np.array(available, dtype=bool)
 
-    def candidates(self, now: float, cached_tokens: np.ndarray | None = None) -> Candidates:
+    def candidates(
+        self, now: float, cached_tokens: np.ndarray | None = None, work: bool = True
+    ) -> Candidates:
+        """The routing snapshot. Without `work` (a router that does not read the work columns, see
+        `Ranker.uses_work`) only the request counts are computed and the work columns are zero."""
         n = len(self.backends)
+        if not work:
+            counts = np.array(
+                [(b.in_flight + b.remote_in_flight, b.load.running, b.load.waiting) for b in self.backends],
+                dtype=float,
+            ).reshape(n, 3)
+            zero = np.zeros(n)
+            columns = {"load": request_load(*counts.T), "prefill_tokens": zero, "prefill_len": zero.copy(),
+                       "decode_seqs": zero.copy(), "context_tokens": zero.copy()}  # fmt: skip
+            return self._snapshot(now, cached_tokens, columns)
         rows = np.array(
             [
                 (b.in_flight + b.remote_in_flight, b.load.running, b.load.waiting,
@@ -146,6 +159,12 @@ class ModelPool:
             ],
             dtype=float,
         ).reshape(n, 7)  # fmt: skip
+        return self._snapshot(now, cached_tokens, load_columns(*rows.T))  # the simulator's formula too
+
+    def _snapshot(
+        self, now: float, cached_tokens: np.ndarray | None, columns: dict[str, np.ndarray]
+    ) -> Candidates:
+        n = len(self.backends)
         return Candidates(
             specs=self.specs,
             healthy=self.routable(now),
@@ -154,7 +173,7 @@ class ModelPool:
             capacity=self._capacity,
             kv_usage=np.fromiter((b.load.kv_usage for b in self.backends), dtype=float, count=n),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
-            **load_columns(*rows.T),  # the one load formula, as the simulator uses it
+            **columns,
         )
 
 
@@ -204,8 +223,10 @@ class Registry:
     def pool(self, model: str) -> ModelPool | None:
         return self.pools.get(model)
 
-    def candidates(self, pool: ModelPool, cached_tokens: np.ndarray | None = None) -> Candidates:
-        return pool.candidates(self._clock(), cached_tokens)
+    def candidates(
+        self, pool: ModelPool, cached_tokens: np.ndarray | None = None, work: bool = True
+    ) -> Candidates:
+        return pool.candidates(self._clock(), cached_tokens, work)
 
     def reserve(self, backend: BackendState, load: LegLoad) -> Reservation:
         """Hold `load` on `backend` until the reservation is released (see Reservation)."""

@@ -130,6 +130,7 @@ class _Priced:
 class CostRanker(SimpleRanker):
     name = "cost"
     uses_prefix_index = True
+    uses_work = True
     ranks_decode = True
     judges_split = True
     learns = True

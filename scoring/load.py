@@ -95,6 +95,11 @@ def leg_load(leg: str, prompt_tokens: int, max_tokens: int, cached_prefill: int)
     return decode if leg == "decode" and decode is not None else first
 
 
+def request_load(in_flight: np.ndarray, running: np.ndarray, waiting: np.ndarray) -> np.ndarray:
+    """Requests in flight or queued, counted once: the count-based policies' load."""
+    return np.asarray(np.maximum(in_flight, running + waiting))
+
+
 def load_columns(
     in_flight: np.ndarray,
     running: np.ndarray,
@@ -113,8 +118,7 @@ def load_columns(
     prompt_len = np.divide(prefill_tokens, prefill_seqs, out=mean_context.copy(), where=prefill_seqs > 0)
     queued = np.maximum(prefill_tokens, waiting * prompt_len)
     return {
-        # Requests in flight or queued, counted once (the count-based policies' load).
-        "load": np.maximum(in_flight, running + waiting),
+        "load": request_load(in_flight, running, waiting),
         "prefill_tokens": queued,
         "prefill_len": np.maximum(np.minimum(prompt_len, queued), 1.0),
         "decode_seqs": seqs,

@@ -33,6 +33,9 @@ class Ranker(Protocol):
     What a policy uses is declared, not discovered:
     - `uses_prefix_index`: it reads `Candidates.cached_tokens` (the gateway and the simulator look the
       prompt up in the prefix index only for such policies);
+    - `uses_work`: it reads the work columns of `Candidates` (`prefill_tokens`, `prefill_len`,
+      `decode_seqs`, `context_tokens`); for the others the registry leaves them zero, which saves the
+      request path the load formula's numpy work (see `gateway/registry.py`);
     - `ranks_decode`: `rank_decode` orders decode backends for a split by its own measure (otherwise
       the aggregated order is used);
     - `judges_split`: `choose` prices whole plans (aggregated on b; prefill on p, decode on d) and
@@ -42,6 +45,7 @@ class Ranker(Protocol):
 
     name: str
     uses_prefix_index: bool
+    uses_work: bool
     ranks_decode: bool
     judges_split: bool
     learns: bool
@@ -87,6 +91,7 @@ class SimpleRanker:
 
     name = ""
     uses_prefix_index = False
+    uses_work = False
     ranks_decode = False
     judges_split = False
     learns = False
@@ -147,6 +152,7 @@ class PlanningRouter:
         self.split = split
         self.name = ranker.name
         self.uses_prefix_index = ranker.uses_prefix_index
+        self.uses_work = ranker.uses_work
         self.learns = ranker.learns
 
     def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:

@@ -183,6 +183,8 @@ class Router(Protocol):
     name: str
     # Reads `Candidates.cached_tokens`: the gateway and the simulator look prefixes up only when True.
     uses_prefix_index: bool
+    # Reads the work columns of `Candidates`; for the others they may be left zero.
+    uses_work: bool
     # Learns from `observe`; for the others it does nothing and callers may skip building outcomes.
     learns: bool
 

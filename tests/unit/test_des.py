@@ -31,6 +31,7 @@ class Spy:
         self.name = inner.name
         self.uses_prefix_index = inner.uses_prefix_index
         self.learns = True  # it wants every outcome, whatever the inner router does with them
+        self.uses_work = True
         self.seen: list[tuple[RequestFeatures, Candidates]] = []
         self.outcomes: list[Outcome] = []
 
