@@ -12,9 +12,13 @@ Rules (what nginx and Envoy promise: retry only before the first byte, in-band e
   pinned. If the prefill fails, a NIXL prefiller returns no transfer parameters, or every decode try
   fails, the request falls back to aggregated serving (or fails cleanly, per `routing.pd_fallback`),
   counted in metrics with its reason and named in the route header.
-- Reservations: each attempt reserves its backend (Registry.reserve) in `Exchange.reservations`; a failed
-  attempt and a finished prefill leg give theirs back at once, and the handler releases all of them in
-  one `finally` (gateway/handler.py), whatever way the request ends.
+- Reservations: each attempt reserves its backend (Registry.reserve) in `Exchange.reservations`; a finished
+  prefill leg gives its own back at once, and the handler releases all of them in one `finally`
+  (gateway/handler.py), whatever way the request ends. A failed attempt keeps its reservation until then:
+  the backend that failed counts as busy with the request a peer now serves, so a least-load ranking
+  does not read a backend that fails fast as free capacity and send it the next requests too (in
+  `hetgate bench soak`, a backend answering 500 drew 10 requests in 75 ms and their retries overran
+  the retry budget; gRPC's weighted round robin penalises errors as load for the same reason).
 - A client that disconnects cancels this coroutine; closing the upstream response aborts the backend's work.
 """
 
@@ -229,16 +233,15 @@ class Proxy:
                 if i == 0 and planned is not None and planned.backend is backend:
                     reservation = planned
                 else:
-                    if planned is not None:
-                        planned.release()
+                    if i == 0 and planned is not None:
+                        planned.release()  # planned on a backend this leg does not start on
                     reservation = self._reserve(ex, backend, leg_kind)
                 try:
                     leg = await self.upstream.open(backend, path, data, ex.request_id)
                     if leg_kind == "decode":
                         await self._check_decode(ex, leg)
                 except LegFailed as failure:
-                    reservation.release()  # this attempt is over: the backend no longer carries it
-                    tries.failed(backend, failure)
+                    tries.failed(backend, failure)  # its reservation stays until the request ends
                     answered = answered or (leg_kind == "decode" and failure.kind != "connect")
                     if unreachable is not None and failure.kind == "connect":
                         unreachable.append(backend)

@@ -36,6 +36,7 @@ class HealthEvent(Enum):
 
 class BackendState:
     __slots__ = (
+        "busy_until",
         "config",
         "in_flight",
         "load",
@@ -66,6 +67,7 @@ class BackendState:
         self.in_flight = 0
         self.reserved = Reserved()  # the work of the legs in flight, taken at plan time (`reserve`)
         self.remote_in_flight = 0  # other gateway processes' requests on it (gateway/replicas.py)
+        self.busy_until = 0.0  # answered 429/503 (backpressure): skipped until then if a peer is free
         self.load = VllmLoad()
 
     @property
@@ -129,11 +131,20 @@ class ModelPool:
         self._capacity = np.array([s.max_num_seqs for s in self.specs], dtype=float)
 
     def routable(self, now: float) -> np.ndarray:
-        """Who may get traffic: the available backends, or all of them in panic mode."""
+        """Who may get traffic: the available backends, or all of them in panic mode; of those, the ones
+        not cooling down after backpressure, unless every one is (a backend that just answered 429/503
+        would refuse the next request too: in `hetgate bench soak` ten 503s in 140 ms from one backend,
+        each retried, overran the retry budget. Busy is not ill health: it never ejects or panics.)"""
         available = [b.available(now) for b in self.backends]  # a list: cheaper than np.fromiter here
         if available.count(True) < self._panic_below:
             return self._everyone
-        return np.array(available, dtype=bool)
+        mask = np.array(available, dtype=bool)
+        busy = [b.busy_until > now for b in self.backends]
+        if True in busy:
+            free = mask & ~np.array(busy, dtype=bool)
+            if free.any():
+                return free
+        return mask
 
     def candidates(
         self, now: float, cached_tokens: np.ndarray | None = None, work: bool = True
@@ -248,6 +259,10 @@ class Registry:
 
     def record_failure(self, backend: BackendState, verdict: Verdict) -> None:
         self._record(backend, verdict)
+
+    def record_backpressure(self, backend: BackendState) -> None:
+        """It answered 429/503: no new request for `health.backpressure_cooldown_s` (see routable)."""
+        backend.busy_until = self._clock() + self.health_settings.backpressure_cooldown_s
 
     def _record(self, backend: BackendState, verdict: Verdict) -> None:
         now = self._clock()

@@ -23,7 +23,9 @@ second at 80 req/s) overran the budget at once and reached clients as 502 (`hetg
 Blame (what feeds outlier detection, gateway/outlier.py), so that a client cannot get backends ejected
 with requests that fail because of what they contain:
   connect failure, reset      the backend's fault whatever the request: counted at once (GATEWAY)
-  429, 503                    backpressure from a busy vLLM, not ill health: never counted
+  429, 503                    backpressure from a busy vLLM, not ill health: never counted; the backend
+                              cools down instead (no new request for `health.backpressure_cooldown_s`
+                              while a peer can take it, gateway/registry.py)
   other 4xx                   the request's fault: never counted
   other 5xx, timeouts before  could be either (a prompt that trips an engine bug, a prefill longer than
   the first byte              `ttfb_s`): held until the request is over. Counted (ERROR for a 5xx, GATEWAY
@@ -171,6 +173,8 @@ class Attempts:
         self._release()
         policy = self._policy
         policy.metrics.upstream_errors.labels(backend.id, failure.kind).inc()
+        if failure.kind == "status" and failure.status in _BACKPRESSURE:
+            policy.registry.record_backpressure(backend)
         verdict, certain = blame(failure)
         if verdict is None:
             return

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from bench.sim.simple_engine import SimpleEngineConfig
 from tests.integration.conftest import MODEL, backend, chat_body, config, gateway, metric, sim  # noqa: F401
 
 
@@ -139,4 +140,27 @@ def test_connection_refused_retry_releases_the_dead_backend(sim, gateway):  # no
     gw = gateway(config([dead, backend(good, "good")], health={"interval_s": 60}))
     in_parallel(6, lambda: httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(), timeout=10))
     assert metric(gw.url, "hetgate:upstream_errors_total", backend="dead", kind="connect") >= 1
+    assert wait_until(lambda: all_zero(gw)), in_flight(gw)
+
+
+def test_a_failed_attempt_counts_on_its_backend_until_the_request_ends(sim, gateway):  # noqa: F811
+    """A backend that fails fast must not look idle to least-load while its request is served elsewhere
+    (gateway/proxy.py): its attempt's reservation is held until the request ends, then released."""
+    bad = sim()
+    bad.set_faults({"error_status": 500})
+    good = sim(simple_engine=SimpleEngineConfig(ttft_base_s=0.002, prefill_token_s=0.00001, tpot_s=0.02))
+    gw = gateway(config([backend(bad, "bad"), backend(good, "good")]))  # round robin: bad first
+    body = chat_body(stream=True, max_tokens=100)
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", f"{gw.url}/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        assert "backend=good" in r.headers["x-hetgate-route"]
+        chunks = r.iter_bytes()  # one iterator: a dropped one closes the response
+        next(chunks)
+        assert in_flight(gw) == {"bad": 1.0, "good": 1.0}
+        for _ in chunks:
+            pass
+    assert metric(gw.url, "hetgate:retries_total") == 1
     assert wait_until(lambda: all_zero(gw)), in_flight(gw)

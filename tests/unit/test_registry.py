@@ -125,3 +125,37 @@ def test_reservation_adds_its_load_and_takes_it_off_once():
     second.release()
     totals = (a.in_flight, a.reserved.prefill_tokens, a.reserved.decode_seqs, a.reserved.context_tokens)
     assert totals == (0, 0, 0, 0)
+
+
+def test_a_backend_answering_backpressure_cools_down_while_a_peer_is_free():
+    clock = Clock()
+    reg, events = registry(clock, n=3, backpressure_cooldown_s=1.0)
+    reg.record_backpressure(reg.backends["b0"])
+    assert routable(reg) == [False, True, True]
+    clock.now += 0.9
+    assert routable(reg) == [False, True, True]
+    clock.now += 0.2
+    assert routable(reg) == [True, True, True]
+    assert events == []  # busy is not ill health: no health change
+
+
+def test_when_every_backend_is_cooling_down_all_stay_routable():
+    reg, _ = registry(Clock(), n=2)
+    for backend in reg.backends.values():
+        reg.record_backpressure(backend)
+    assert routable(reg) == [True, True]
+
+
+def test_cooling_down_is_not_counted_toward_panic_mode():
+    reg, _ = registry(Clock(), n=4)
+    for i in range(2):
+        reg.probe_result(reg.backends[f"b{i}"], False)
+        reg.probe_result(reg.backends[f"b{i}"], False)
+    reg.record_backpressure(reg.backends["b2"])
+    assert routable(reg) == [False, False, False, True]  # 2 of 4 up (no panic); b2 busy, b3 free
+
+
+def test_backpressure_cooldown_zero_is_off():
+    reg, _ = registry(Clock(), n=2, backpressure_cooldown_s=0)
+    reg.record_backpressure(reg.backends["b0"])
+    assert routable(reg) == [True, True]

@@ -156,6 +156,18 @@ def test_a_retry_token_is_given_back_by_the_next_outcome_and_on_exit():
     assert retry.budget.active == 0
 
 
+@pytest.mark.parametrize(
+    ("failure", "busy"), [(status(503), True), (status(429), True), (status(500), False)]
+)
+def test_backpressure_makes_the_backend_cool_down(failure, busy):
+    retry, registry, _ = policy()
+    backend = registry.backends["b0"]
+    with retry.attempts() as tries:
+        tries.failed(backend, failure)
+    assert (backend.busy_until > 0) is busy
+    assert not backend.outlier.consecutive_5xx  # never counted as ill health
+
+
 def ejected(registry: Registry) -> list[str]:
     return [b.id for b in registry.backends.values() if not registry.available(b)]
 
