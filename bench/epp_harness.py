@@ -128,7 +128,15 @@ class EnvoyProcess:
 class EppProcess:
     """`hetgate epp` as a child process; started again on the same ports after `stop()` if asked."""
 
-    def __init__(self, config: dict[str, Any], args: list[str] | None = None, grpc_port: int | None = None):
+    def __init__(
+        self,
+        config: dict[str, Any],
+        args: list[str] | None = None,
+        grpc_port: int | None = None,
+        module: str = "gateway.cli",
+    ) -> None:
+        """`module`: `bench.epp_floor` runs the floor EPP instead (its `args` name the endpoint)."""
+        self.module = module
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = free_port()
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"
@@ -152,7 +160,8 @@ class EppProcess:
         return self.process.pid
 
     def start(self, timeout_s: float = 60.0) -> EppProcess:
-        command = [sys.executable, "-m", "gateway.cli", "epp", "--config", str(self.config_path)]
+        command = [sys.executable, "-m", self.module]
+        command += ["epp", "--config", str(self.config_path)] if self.module == "gateway.cli" else []
         command += ["--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port), *self.args]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -10,6 +10,8 @@ adds any OpenAI-compatible router to the same table (its CPU is read when its PI
 pass-through with no routing, checks or metrics, so what hetgate adds beyond it is hetgate's own. The
 `envoy+epp` target is the other deployment shape: a real Envoy carries the bytes and `hetgate epp` picks
 over ext_proc (deploy/envoy/envoy.yaml); its CPU is Envoy's plus the EPP's, each also listed on its own.
+`envoy+floor-epp` is the same Envoy with `bench/epp_floor.py`, an ext_proc server that answers the same
+messages with one fixed endpoint and does nothing else: the EPP's floor, what gRPC in Python costs.
 """
 
 from __future__ import annotations
@@ -251,11 +253,18 @@ def _envoy_epp(stack: contextlib.ExitStack, backend_url: str) -> list[Target]:
         print("envoy+epp: no envoy binary (scripts/test.sh installs it); row left out", file=sys.stderr)
         return []
     config = gateway_config([_backend("sim-0", backend_url, ["prefill", "decode"])], "never")
-    epp = stack.enter_context(EppProcess(config))
-    envoy = stack.enter_context(EnvoyProcess(epp.grpc_port, [backend_url]))
-    parts = {"envoy": envoy.cpu_seconds, "epp": epp.cpu_seconds}
-    total = lambda: envoy.cpu_seconds() + epp.cpu_seconds()  # noqa: E731
-    return [Target("envoy+epp", envoy.url, "aggregated", total, parts)]
+    endpoint = backend_url.removeprefix("http://")
+    targets = []
+    for name, epp in (
+        ("envoy+epp", EppProcess(config)),
+        ("envoy+floor-epp", EppProcess(config, ["--endpoint", endpoint], module="bench.epp_floor")),
+    ):
+        stack.enter_context(epp)
+        envoy = stack.enter_context(EnvoyProcess(epp.grpc_port, [backend_url]))
+        parts = {"envoy": envoy.cpu_seconds, "epp": epp.cpu_seconds}
+        total = lambda envoy=envoy, epp=epp: envoy.cpu_seconds() + epp.cpu_seconds()  # noqa: E731
+        targets.append(Target(name, envoy.url, "aggregated", total, parts))
+    return targets
 
 
 def _external_target(spec: str) -> Target:

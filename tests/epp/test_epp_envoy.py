@@ -445,3 +445,23 @@ def test_harness_refuses_fail_open_with_a_streamed_body():
 
     with pytest.raises(ValueError, match="BUFFERED"):
         EnvoyProcess(1, [], failure_mode_allow=True, full_duplex=True)
+
+
+# -- the floor EPP of `hetgate bench overhead` (bench/epp_floor.py) ----------------------------------------
+
+
+@pytest.mark.parametrize("full_duplex", [True, False], ids=["full-duplex", "buffered"])
+def test_the_floor_epp_routes_every_request_to_its_one_endpoint(sim, envoy, full_duplex):
+    from bench.epp_harness import EppProcess
+
+    used, unused = sim(max_model_len=100_000), sim()
+    args = ["--endpoint", endpoint(used)]
+    with EppProcess({}, args, module="bench.epp_floor") as floor:
+        proxy = envoy(floor.grpc_port, [used.url, unused.url], full_duplex=full_duplex)
+        prompt = "many-words " * 12_000  # several chunks each way in full-duplex mode
+        long = post(proxy.url, {"model": MODEL, "prompt": prompt, "max_tokens": 2}, "/v1/completions")
+        statuses = [post(proxy.url).status_code for _ in range(3)]
+    assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] > 5_000
+    assert statuses == [200] * 3
+    assert metric(used.url, "vllm:request_success_total") == 4
+    assert metric(unused.url, "vllm:request_success_total") == 0
