@@ -4,7 +4,7 @@ Starts simulated backends as processes (three aggregated, one prefill and one de
 (least_load, disaggregation auto), and `--concurrency` clients sending a mix of chat and completions,
 streamed and not, short prompts (served aggregated) and long ones (split P/D); some clients disconnect
 early and some read slowly. Every `CYCLE_S` seconds the same fault schedule runs: a backend is killed and
-restarted on its port, 500 and 503 bursts, first-byte stalls (under and over the gateway's `ttfb_s`),
+restarted on its port, 500 bursts and 503 overload periods, first-byte stalls (under and over the gateway's `ttfb_s`),
 streams cut or ended with an in-band error mid-way, a failing prefill leg.
 
 Printed at the end: requests by outcome; errors by cause; how many failed before any byte reached the
@@ -165,8 +165,10 @@ SCHEDULE: list[tuple[float, Action]] = [
     (9.0, plan("agg-3", first_byte_delay_s=0.5, delay_count=10)),
     (12.0, restart("agg-2")),
     (14.0, plan("agg-1", first_byte_delay_s=TTFB_S + 1.5, delay_count=2)),
-    (17.0, plan("agg-3", error_status=503, error_count=10)),
-    (19.0, plan("dec-1", error_status=503, error_count=5)),
+    # Overload is a period (the gateway tries a backend that answered 503 last for a while, so a counted
+    # burst would stretch on and overlap the next faults).
+    (17.0, plan("agg-3", error_status=503, error_for_s=1.0)),
+    (19.0, plan("dec-1", error_status=503, error_for_s=0.5)),
     (21.0, plan("agg-2", stream_error_after_chunks=2, stream_error_count=3)),
     (24.0, plan("agg-1", close_after_chunks=2, close_count=3)),
 ]

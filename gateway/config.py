@@ -233,8 +233,8 @@ class Health(_Strict):
     failure_threshold: Annotated[int, Field(ge=1)] = 3
     metrics_interval_s: Annotated[float, Field(gt=0)] = 1.0
     panic_threshold_percent: Annotated[float, Field(ge=0, le=100)] = 50.0
-    # After a 429/503 (vLLM's backpressure, not ill health) a backend gets no new request for this long
-    # while another one can take it; 0: off. See ModelPool.routable.
+    # After a 429/503 (vLLM's backpressure, not ill health) a backend is tried last for this long; 0: off.
+    # See gateway/decision.py `demote`.
     backpressure_cooldown_s: Annotated[float, Field(ge=0)] = 1.0
     outlier: Outlier = Outlier()
 

@@ -117,6 +117,24 @@ class Decision:
         return float(np.min(c.load[list(rows)] / c.capacity[list(rows)])) if rows else float("inf")
 
 
+def demote(plan: RoutePlan, cooling: frozenset[int]) -> RoutePlan:
+    """The plan with the backends cooling down after backpressure moved to the end of each order.
+
+    A backend that just answered 429/503 would refuse the next request too (in `hetgate bench soak`, ten
+    503s in 140 ms from one backend, each retried, overran the retry budget), so it is tried last; it stays
+    in the plan as a fallback (removing it left single-backend plans with nothing to retry on). Busy is
+    not ill health: it never ejects a backend or counts toward panic mode."""
+    if not cooling:
+        return plan
+
+    def last(order: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted(order, key=cooling.__contains__))  # stable: the policy's order otherwise
+
+    return dataclasses.replace(
+        plan, aggregated=last(plan.aggregated), prefill=last(plan.prefill), decode=last(plan.decode)
+    )
+
+
 class Decider:
     def __init__(
         self,
@@ -157,7 +175,7 @@ class Decider:
         candidates = self.registry.candidates(pool, cached, router.uses_work)
         if eligible is not None:
             candidates.healthy = candidates.healthy & eligible
-        plan = router.plan(features, candidates)
+        plan = demote(router.plan(features, candidates), self.registry.cooling(pool))
         self.metrics.route_decisions.labels(request.model, plan.mode.value, plan.reason).inc()
         if not plan.aggregated:
             raise NoBackend("No healthy backend serves this model.")

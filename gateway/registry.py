@@ -131,20 +131,15 @@ class ModelPool:
         self._capacity = np.array([s.max_num_seqs for s in self.specs], dtype=float)
 
     def routable(self, now: float) -> np.ndarray:
-        """Who may get traffic: the available backends, or all of them in panic mode; of those, the ones
-        not cooling down after backpressure, unless every one is (a backend that just answered 429/503
-        would refuse the next request too: in `hetgate bench soak` ten 503s in 140 ms from one backend,
-        each retried, overran the retry budget. Busy is not ill health: it never ejects or panics.)"""
+        """Who may get traffic: the available backends, or all of them in panic mode."""
         available = [b.available(now) for b in self.backends]  # a list: cheaper than np.fromiter here
         if available.count(True) < self._panic_below:
             return self._everyone
-        mask = np.array(available, dtype=bool)
-        busy = [b.busy_until > now for b in self.backends]
-        if True in busy:
-            free = mask & ~np.array(busy, dtype=bool)
-            if free.any():
-                return free
-        return mask
+        return np.array(available, dtype=bool)
+
+    def cooling(self, now: float) -> frozenset[int]:
+        """Rows of the backends cooling down after backpressure (`Registry.record_backpressure`)."""
+        return frozenset(i for i, b in enumerate(self.backends) if b.busy_until > now)
 
     def candidates(
         self, now: float, cached_tokens: np.ndarray | None = None, work: bool = True
@@ -260,8 +255,11 @@ class Registry:
     def record_failure(self, backend: BackendState, verdict: Verdict) -> None:
         self._record(backend, verdict)
 
+    def cooling(self, pool: ModelPool) -> frozenset[int]:
+        return pool.cooling(self._clock())
+
     def record_backpressure(self, backend: BackendState) -> None:
-        """It answered 429/503: no new request for `health.backpressure_cooldown_s` (see routable)."""
+        """It answered 429/503: tried last for `health.backpressure_cooldown_s` (gateway/decision.py)."""
         backend.busy_until = self._clock() + self.health_settings.backpressure_cooldown_s
 
     def _record(self, backend: BackendState, verdict: Verdict) -> None:

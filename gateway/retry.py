@@ -24,8 +24,8 @@ Blame (what feeds outlier detection, gateway/outlier.py), so that a client canno
 with requests that fail because of what they contain:
   connect failure, reset      the backend's fault whatever the request: counted at once (GATEWAY)
   429, 503                    backpressure from a busy vLLM, not ill health: never counted; the backend
-                              cools down instead (no new request for `health.backpressure_cooldown_s`
-                              while a peer can take it, gateway/registry.py)
+                              cools down instead (tried last for `health.backpressure_cooldown_s`,
+                              gateway/decision.py `demote`)
   other 4xx                   the request's fault: never counted
   other 5xx, timeouts before  could be either (a prompt that trips an engine bug, a prefill longer than
   the first byte              `ttfb_s`): held until the request is over. Counted (ERROR for a 5xx, GATEWAY

@@ -6,6 +6,9 @@ same JSON; `DELETE /sim/faults` clears it; `GET /sim/faults` shows what is left)
   error_status        HTTP status (429, 500, 503, ...) returned, with an OpenAI error body, to
                       generation requests instead of running them
   error_count         how many requests get it (null: every request until cleared)
+  error_for_s         ... or every request for this many wall seconds from when the plan is set
+                      (overload is a period, not a count: a gateway that backs off a busy server sends
+                      it fewer requests, which would stretch a counted burst of 503s over a longer time)
   first_byte_delay_s  wall seconds to stall before the response status line
   chunk_delay_s       wall seconds to stall before each SSE chunk after the first
   delay_count         how many requests the two stalls apply to (null: all)
@@ -27,6 +30,9 @@ Faults on requests apply in arrival order; counts are consumed as requests arriv
 from __future__ import annotations
 
 import copy
+import math
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -37,6 +43,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 class FaultPlan:
     error_status: int | None = None
     error_count: int | None = None
+    error_for_s: float | None = None
     first_byte_delay_s: float = 0.0
     chunk_delay_s: float = 0.0
     delay_count: int | None = None
@@ -65,6 +72,12 @@ class FaultPlan:
             status = getattr(self, name)
             if status is not None and not (isinstance(status, int) and 100 <= status <= 599):
                 raise ValueError(f"{name} must be an HTTP status code, got {status!r}")
+        if self.error_for_s is not None and self.error_count is not None:
+            raise ValueError("error_count and error_for_s exclude each other")
+        if self.error_for_s is not None and (
+            not isinstance(self.error_for_s, int | float) or self.error_for_s < 0
+        ):
+            raise ValueError("error_for_s must be a number >= 0 or null")
         for name in ("first_byte_delay_s", "chunk_delay_s", "refuse_connections_s"):
             if not isinstance(getattr(self, name), int | float) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a number >= 0")
@@ -95,13 +108,17 @@ NO_FAULTS = RequestFaults()
 class FaultInjector:
     """Holds the current plan and hands each arriving request its share of it."""
 
-    def __init__(self, plan: FaultPlan | None = None) -> None:
+    def __init__(self, plan: FaultPlan | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.plan = FaultPlan()
+        self._clock = clock
+        self._errors_until = math.inf
         self.set_plan(plan or FaultPlan())
 
     def set_plan(self, plan: FaultPlan) -> None:
         # A private copy: counts are consumed here, and one plan may configure several servers.
         self.plan = copy.deepcopy(plan)
+        timed = plan.error_for_s
+        self._errors_until = math.inf if timed is None else self._clock() + timed
 
     def clear(self) -> None:
         self.plan = FaultPlan()
@@ -114,7 +131,11 @@ class FaultInjector:
         plan = self.plan
         if path not in plan.paths:
             return NO_FAULTS
-        if plan.error_status is not None and _take(plan, "error_count"):
+        if (
+            plan.error_status is not None
+            and self._clock() < self._errors_until
+            and _take(plan, "error_count")
+        ):
             return RequestFaults(error_status=plan.error_status)
         delayed = (plan.first_byte_delay_s or plan.chunk_delay_s) and _take(plan, "delay_count")
         closes = plan.close_after_chunks is not None and _take(plan, "close_count")

@@ -166,6 +166,19 @@ def test_overload_503s_are_backpressure_not_ill_health(sim, gateway):
     assert post(gw).status_code == 200  # nothing was taken out: served at once
 
 
+@pytest.mark.parametrize(("cooldown_s", "retries"), [(30.0, 1), (0.0, 3)])
+def test_a_backend_that_answered_503_is_tried_last_while_it_cools_down(sim, gateway, cooldown_s, retries):
+    busy, free = sim(), sim()
+    busy.set_faults({"error_status": 503})
+    gw = gateway(
+        config([backend(busy, "busy"), backend(free, "free")], health={"backpressure_cooldown_s": cooldown_s})
+    )
+    statuses = [post(gw).status_code for _ in range(6)]  # round robin puts "busy" first every other time
+    assert statuses == [200] * 6
+    assert metric(gw.url, "hetgate:retries_total") == retries  # cooling: only the first request met it
+    assert metric(gw.url, "hetgate:backend_ejections_total") == 0
+
+
 @pytest.mark.parametrize(("panic_threshold_percent", "served"), [(50, 200), (0, 503)])
 def test_panic_mode_routes_to_all_when_too_few_backends_answer_their_probes(
     sim, gateway, panic_threshold_percent, served

@@ -13,6 +13,17 @@ def test_error_status_for_the_next_n_requests_only() -> None:
     assert statuses == [503, 503, None, None]
 
 
+def test_timed_error_lasts_its_seconds_whatever_the_number_of_requests() -> None:
+    now = [10.0]
+    injector = FaultInjector(FaultPlan.from_dict({"error_status": 503, "error_for_s": 1.0}), lambda: now[0])
+    statuses = [injector.admit("/v1/completions").error_status for _ in range(5)]
+    now[0] = 10.99
+    statuses.append(injector.admit("/v1/completions").error_status)
+    now[0] = 11.0
+    statuses.append(injector.admit("/v1/completions").error_status)
+    assert statuses == [503] * 6 + [None]
+
+
 def test_uncounted_error_lasts_until_cleared() -> None:
     injector = FaultInjector(FaultPlan.from_dict({"error_status": 429}))
     assert [injector.admit("/v1/chat/completions").error_status for _ in range(3)] == [429, 429, 429]
@@ -58,6 +69,8 @@ def test_health_status() -> None:
         ({"error_count": -2}, "integer"),
         ({"close_after_chunks": 1.5}, "integer"),
         ({"bogus": 1}, "unknown fault keys"),
+        ({"error_for_s": -1}, ">= 0"),
+        ({"error_for_s": 1, "error_count": 2}, "exclude"),
         ([], "JSON object"),
     ],
 )
