@@ -4,8 +4,8 @@ Starts simulated backends as processes (three aggregated, one prefill and one de
 (least_load, disaggregation auto), and `--concurrency` clients sending a mix of chat and completions,
 streamed and not, short prompts (served aggregated) and long ones (split P/D); some clients disconnect
 early and some read slowly. Every `CYCLE_S` seconds the same fault schedule runs: a backend is killed and
-restarted on its port, 500 bursts and 503 overload periods, first-byte stalls (under and over the gateway's `ttfb_s`),
-streams cut or ended with an in-band error mid-way, a failing prefill leg.
+restarted on its port, 500 bursts and 503 overload periods, first-byte stalls (under and over the gateway's
+`ttfb_s`), streams cut or ended with an in-band error mid-way, a failing prefill leg.
 
 Printed at the end: requests by outcome; errors by cause; how many failed before any byte reached the
 client (the gateway could have retried those elsewhere: at most two backends are faulty at once and

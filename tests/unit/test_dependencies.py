@@ -27,6 +27,7 @@ EXTRA_FOR = {
     "bench/policies.py": ("bench",),  # --plot draws with matplotlib
     "bench/fidelity.py": ("bench",),  # --plot draws with matplotlib
     "gateway/epp/": ("epp",),  # `hetgate epp`: gRPC, Envoy's protos (pip install 'hetgate[epp]')
+    "bench/epp_floor.py": ("epp",),  # the floor EPP of `hetgate bench overhead`: the same gRPC stack
     "tests/epp/": ("test", "epp"),
     "tests/unit/test_epp_protocol.py": ("test", "epp"),
 }
