@@ -67,7 +67,7 @@ class BackendState:
         self.in_flight = 0
         self.reserved = Reserved()  # the work of the legs in flight, taken at plan time (`reserve`)
         self.remote_in_flight = 0  # other gateway processes' requests on it (gateway/replicas.py)
-        self.busy_until = 0.0  # answered 429/503 (backpressure): skipped until then if a peer is free
+        self.busy_until = 0.0  # answered 429/503 (backpressure): tried last until then (decision.demote)
         self.load = VllmLoad()
 
     @property
