@@ -251,6 +251,10 @@ class HotPathApp:
         self.app = app
         self._hot = {Kind.CHAT.path: Kind.CHAT, Kind.COMPLETIONS.path: Kind.COMPLETIONS}
 
+    def count_rejection(self, reason: str) -> None:
+        """The server's limits refused a request before it got here (gateway/server.py)."""
+        self.app.state.gateway.metrics.connection_rejections.labels(reason).inc()
+
     def begin_drain(self) -> None:
         """SIGTERM (gateway/server.py): report not ready, so traffic moves elsewhere before we stop."""
         self.app.state.draining = True

@@ -174,6 +174,13 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.connection_rejections = Counter(
+            "hetgate:connection_rejections",
+            "Requests the server's limits answered before the app saw them, connection closed (malformed,"
+            " header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit)",
+            ["reason"],
+            registry=r,
+        )
         self.admission_rejections = Counter(
             "hetgate:admission_rejections",
             "Requests refused with 429 by admission control",

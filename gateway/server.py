@@ -50,12 +50,24 @@ _TYPES[503] = "ServiceUnavailableError"
 
 
 class _Reject(Exception):
-    """Raised from a parser callback: answer `status` and close the connection."""
+    """Raised from a parser callback: answer `status` and close the connection; `reason` is counted."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str) -> None:
         super().__init__(message)
         self.status = status
+        self.reason = reason
         self.message = message
+
+
+@runtime_checkable
+class CountsRejections(Protocol):
+    """An app that counts what the server's limits refused (gateway/app.py's HotPathApp)."""
+
+    def count_rejection(self, reason: str) -> None: ...
+
+
+def _uncounted(_reason: str) -> None:
+    """For an app that does not count rejections."""
 
 
 class HetgateUvicornConfig(uvicorn.Config):
@@ -94,6 +106,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self.over_cap = False
         self.rejected = False
         self.timer: asyncio.TimerHandle | None = None
+        app = config.loaded_app
+        self.count_rejection = app.count_rejection if isinstance(app, CountsRejections) else _uncounted
 
     # -- connection events ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -115,14 +129,14 @@ class GuardedProtocol(HttpToolsProtocol):
         except httptools.HttpParserCallbackError as error:
             cause = error.__context__
             if isinstance(cause, _Reject):
-                self._reject(cause.status, cause.message)
+                self._reject(cause.status, cause.reason, cause.message)
             else:
-                self._reject(400, "Invalid HTTP request received.")
+                self._reject(400, "malformed", "Invalid HTTP request received.")
             return
         except httptools.HttpParserUpgrade:
             pass  # as uvicorn without websockets: served as plain HTTP/1.1 (curl --http2 asks for h2c)
         except httptools.HttpParserError:
-            self._reject(400, "Invalid HTTP request received.")
+            self._reject(400, "malformed", "Invalid HTTP request received.")
             return
         # Timers are armed only when a read leaves a head or body incomplete (rare): a request that arrives
         # in one read costs no timer at all.
@@ -130,7 +144,9 @@ class GuardedProtocol(HttpToolsProtocol):
             # Still in a head: count the raw bytes before httptools has to concatenate any more of them.
             self.head_bytes += len(data)
             if self.head_bytes > self.max_header_bytes:
-                self._reject(431, f"The request head exceeds {self.max_header_bytes} bytes.")
+                self._reject(
+                    431, "header_too_large", f"The request head exceeds {self.max_header_bytes} bytes."
+                )
             elif self.timer is None:
                 self._arm(self.header_timeout_s)
         elif self.phase == _BODY and self.timer is None:
@@ -146,14 +162,14 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.timer is not None:
             self._disarm()
         if len(self.headers) > self.max_headers:
-            raise _Reject(431, f"The request has more than {self.max_headers} headers.")
+            raise _Reject(431, "too_many_headers", f"The request has more than {self.max_headers} headers.")
         if self.head_bytes + self.chunk_len > self.max_header_bytes and self._head_size() > (
             self.max_header_bytes
         ):
             # The head completed within one large read, so the raw-byte count never saw it whole.
-            raise _Reject(431, f"The request head exceeds {self.max_header_bytes} bytes.")
+            raise _Reject(431, "header_too_large", f"The request head exceeds {self.max_header_bytes} bytes.")
         if self.over_cap:
-            raise _Reject(503, "The gateway is at its connection limit; retry shortly.")
+            raise _Reject(503, "connection_limit", "The gateway is at its connection limit; retry shortly.")
         self.phase = _BODY
         super().on_headers_complete()
 
@@ -184,19 +200,20 @@ class GuardedProtocol(HttpToolsProtocol):
             if self.cycle is not None and not self.cycle.response_complete:
                 self._arm(self.header_timeout_s)  # a pipelined head waits on us, not on the client
                 return
-            self._reject(408, "The request head was not received in time.")
+            self._reject(408, "header_timeout", "The request head was not received in time.")
         elif self.phase == _BODY:
             if self.cycle is not None and self.cycle.response_started:
                 self.transport.close()  # answered without the rest of the body (413): just stop waiting
             elif self.flow.read_paused:
                 self._arm(self.body_timeout_s)  # the application is not reading: we are the slow side
             else:
-                self._reject(408, "The request body was not received in time.")
+                self._reject(408, "body_timeout", "The request body was not received in time.")
 
-    def _reject(self, status: int, message: str) -> None:
+    def _reject(self, status: int, reason: str, message: str) -> None:
         """Answer and close; keep reading (discarding) a short while so the client sees the answer."""
         self._disarm()
         self.rejected = True
+        self.count_rejection(reason)
         if self.transport.is_closing():
             return
         self.transport.write(rejection(status, message))

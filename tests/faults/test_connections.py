@@ -24,7 +24,7 @@ import pytest
 
 from bench.harness import GatewayProcess
 from bench.sim.server import SimServerConfig, SimThread, start_in_thread
-from tests.integration.conftest import FAST, MODEL, backend, chat_body, config
+from tests.integration.conftest import FAST, MODEL, backend, chat_body, config, metric
 
 POLL_S = 0.02
 # The shared gateway's limits (most scenarios use it: a gateway takes seconds to start on a busy machine).
@@ -161,12 +161,18 @@ def test_slowloris_heads_are_closed_and_normal_clients_served(gateway: GatewayPr
         sock.close()
 
 
+def rejections(gateway: GatewayProcess, reason: str) -> float:
+    return metric(gateway.url, "hetgate:connection_rejections_total", reason=reason)
+
+
 def test_slowloris_head_gets_an_openai_shaped_408(gateway: GatewayProcess) -> None:
+    before = rejections(gateway, "header_timeout")
     with connect(gateway) as sock:
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n")
         status, headers, body = read_response(sock)
         assert_openai_error(status, body, 408)
         assert headers["connection"] == "close"
+    assert rejections(gateway, "header_timeout") == before + 1
 
 
 def test_silent_connection_is_closed_by_the_header_timeout(gateway: GatewayProcess) -> None:
@@ -235,9 +241,12 @@ def test_64mib_header_is_refused_without_stalling_others(gateway: GatewayProcess
     ids=["count", "size"],
 )
 def test_oversized_head_gets_431(gateway: GatewayProcess, headers: dict[str, str]) -> None:
+    reason = "too_many_headers" if len(headers) > 1 else "header_too_large"
+    before = rejections(gateway, reason)
     reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat_body(), headers=headers)
     assert_openai_error(reply.status_code, reply.content, 431)
     normal_request(gateway)
+    assert rejections(gateway, reason) == before + 1
 
 
 def test_head_just_under_the_limits_is_served(sim_backend: SimThread) -> None:
@@ -248,10 +257,12 @@ def test_head_just_under_the_limits_is_served(sim_backend: SimThread) -> None:
 
 
 def test_malformed_request_gets_openai_shaped_400(gateway: GatewayProcess) -> None:
+    before = rejections(gateway, "malformed")
     with connect(gateway) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: gw\r\nBad Header\x01: x\r\n\r\n")
         status, _, body = read_response(sock)
         assert_openai_error(status, body, 400)
+    assert rejections(gateway, "malformed") == before + 1
 
 
 def _post_head(length: int) -> bytes:
@@ -263,6 +274,7 @@ def _post_head(length: int) -> bytes:
 
 def test_stalled_body_gets_408(gateway: GatewayProcess) -> None:
     timeout_s = BODY_TIMEOUT_S
+    before = rejections(gateway, "body_timeout")
     with connect(gateway) as sock:
         sock.sendall(_post_head(1000) + b'{"model": ')
         sent = time.monotonic()
@@ -270,6 +282,7 @@ def test_stalled_body_gets_408(gateway: GatewayProcess) -> None:
         assert time.monotonic() - sent >= timeout_s * 0.9
         assert_openai_error(status, body, 408)
         normal_request(gateway)
+    assert rejections(gateway, "body_timeout") == before + 1
 
 
 def test_body_in_pieces_within_the_timeout_is_served(gateway: GatewayProcess) -> None:
@@ -317,6 +330,7 @@ def test_connection_cap_answers_503_instead_of_resetting(sim_backend: SimThread)
             assert time.monotonic() < deadline, "the gateway did not recover after the cap"
             time.sleep(POLL_S)
         normal_request(gateway)
+        assert rejections(gateway, "connection_limit") >= 1  # every poll over the cap was one
 
 
 def test_open_file_soft_limit_is_raised_to_the_hard_limit(sim_backend: SimThread) -> None:
