@@ -147,15 +147,6 @@ class ModelPool:
         """The routing snapshot. Without `work` (a router that does not read the work columns, see
         `Ranker.uses_work`) only the request counts are computed and the work columns are zero."""
         n = len(self.backends)
-        if not work:
-            counts = np.array(
-                [(b.in_flight + b.remote_in_flight, b.load.running, b.load.waiting) for b in self.backends],
-                dtype=float,
-            ).reshape(n, 3)
-            zero = np.zeros(n)
-            columns = {"load": request_load(*counts.T), "prefill_tokens": zero, "prefill_len": zero.copy(),
-                       "decode_seqs": zero.copy(), "context_tokens": zero.copy()}  # fmt: skip
-            return self._snapshot(now, cached_tokens, columns)
         rows = np.array(
             [
                 (b.in_flight + b.remote_in_flight, b.load.running, b.load.waiting,
@@ -165,12 +156,8 @@ class ModelPool:
             ],
             dtype=float,
         ).reshape(n, 7)  # fmt: skip
-        return self._snapshot(now, cached_tokens, load_columns(*rows.T))  # the simulator's formula too
-
-    def _snapshot(
-        self, now: float, cached_tokens: np.ndarray | None, columns: dict[str, np.ndarray]
-    ) -> Candidates:
-        n = len(self.backends)
+        # The one load formula, as the simulator uses it; without `work`, its request counts alone.
+        columns = load_columns(*rows.T) if work else _counts_only(rows)
         return Candidates(
             specs=self.specs,
             healthy=self.routable(now),
@@ -181,6 +168,13 @@ class ModelPool:
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
             **columns,
         )
+
+
+def _counts_only(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """`load_columns` for routers that read only `load` (see ModelPool.candidates)."""
+    zero = np.zeros(len(rows))
+    return {"load": request_load(*rows[:, :3].T), "prefill_tokens": zero, "prefill_len": zero.copy(),
+            "decode_seqs": zero.copy(), "context_tokens": zero.copy()}  # fmt: skip
 
 
 class Registry:

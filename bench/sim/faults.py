@@ -111,7 +111,7 @@ class FaultInjector:
     def __init__(self, plan: FaultPlan | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.plan = FaultPlan()
         self._clock = clock
-        self._errors_until = math.inf
+        self._errors_until = math.inf  # set by set_plan: when a timed error (`error_for_s`) ends
         self.set_plan(plan or FaultPlan())
 
     def set_plan(self, plan: FaultPlan) -> None:
