@@ -14,12 +14,16 @@ and is evicted last (a backend keeps the start of a prefix longer than its end, 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate, repeat
+from operator import and_
 
 DEFAULT_CAPACITY_BLOCKS = 1_000_000
 _BITS_CACHE_SIZE = 64
 _HASH_MASK = (1 << 64) - 1
+_FIRST_CHUNK = 16  # blocks in the walk's first chunk (then 64, 256, ...)
 
 
 class _Backend:
@@ -120,23 +124,25 @@ class MemoryIndex:
         slot_of_bit: dict[int, list[int]],
         counts: list[int],
     ) -> None:
-        """Leading blocks held per backend: AND the holders' bitmasks until nobody is left."""
+        """Leading blocks held per backend: AND the holders' bitmasks until nobody is left.
+
+        The running AND is computed by C iterators (`map`, `accumulate`) over chunks that grow 4x
+        (a prompt nobody holds costs one short chunk), and the depths where backends drop out are
+        found by bisection: the running AND only loses bits, so it takes at most one value per
+        backend. A per-block Python loop cost ~270 ns a block; 2,048 blocks were most of a decision."""
         get = holders.get
-        for depth, block_hash in enumerate(hashes):
-            still = alive & get(block_hash, 0)
-            dropped = alive ^ still
-            while dropped:
-                low = dropped & -dropped
-                for slot in slot_of_bit[low]:
-                    counts[slot] = depth
-                dropped ^= low
-            alive = still
-            if not alive:
-                return
+        depth, size, total = 0, _FIRST_CHUNK, len(hashes)
+        while alive and depth < total:
+            chunk = hashes[depth : depth + size]
+            masks = list(accumulate(map(get, chunk, repeat(0)), and_, initial=alive))
+            _record_drops(masks, depth, slot_of_bit, counts)
+            alive = masks[-1]
+            depth += len(chunk)
+            size *= 4
         while alive:  # held the whole prompt
             low = alive & -alive
             for slot in slot_of_bit[low]:
-                counts[slot] = len(hashes)
+                counts[slot] = total
             alive ^= low
 
     def record_now(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
@@ -230,3 +236,19 @@ class MemoryIndex:
             holders[block_hash] = mask
         else:
             holders.pop(block_hash, None)
+
+
+def _record_drops(masks: list[int], depth: int, slot_of_bit: dict[int, list[int]], counts: list[int]) -> None:
+    """Set the count of every backend whose bit leaves `masks` (the running AND over the blocks from
+    `depth` on, `masks[0]` before the first): a bit in `masks[j - 1]` but not in `masks[j]` belongs to a
+    backend that lacks block `depth + j - 1`, so it holds `depth + j - 1` leading blocks."""
+    current, last, lo = masks[0], masks[-1], 1
+    while current != last:
+        j = bisect_left(masks, True, lo, key=current.__ne__)
+        dropped = current ^ masks[j]
+        while dropped:
+            low = dropped & -dropped
+            for slot in slot_of_bit[low]:
+                counts[slot] = depth + j - 1
+            dropped ^= low
+        current, lo = masks[j], j + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -140,3 +141,29 @@ async def test_long_prompts_across_many_blocks(index) -> None:
     await index.remove(MODEL, BS, [long_prompt[200]], "hole")
     counts = await index.match(MODEL, BS, long_prompt, ["mid", "all", "edge", "hole"])
     assert counts == [130, 300, 64, 200]
+
+
+async def test_random_holdings_match_a_per_block_reference(index) -> None:
+    """Many backends holding random prefixes of one long prompt, some with holes: every count is the
+    leading run of blocks that backend holds (checked block by block here), whatever the walk's chunking."""
+    rng = random.Random(7)
+    prompt = blocks(*range(5000, 5000 + 700))
+    held: dict[str, set[int]] = {}
+    for b in range(24):
+        backend = f"b{b}"
+        length = rng.choice([0, 1, 15, 16, 17, 80, 81, 336, 337, rng.randrange(700), 700])
+        await index.record(MODEL, BS, prompt[:length], backend)
+        held[backend] = set(range(length))
+        for _ in range(rng.choice([0, 0, 1, 3])):
+            if length:
+                hole = rng.randrange(length)
+                await index.remove(MODEL, BS, [prompt[hole]], backend)
+                held[backend].discard(hole)
+    backends = [*held, "never-recorded"]
+    held["never-recorded"] = set()
+    expected = [next((i for i in range(len(prompt)) if i not in held[b]), len(prompt)) for b in backends]
+    assert await index.match(MODEL, BS, prompt, backends) == expected
+    # A shorter prompt (the same head) and one that diverges at block 40.
+    assert await index.match(MODEL, BS, prompt[:50], backends) == [min(e, 50) for e in expected]
+    diverged = prompt[:40] + blocks(*range(9000, 9100))
+    assert await index.match(MODEL, BS, diverged, backends) == [min(e, 40) for e in expected]
