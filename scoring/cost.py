@@ -156,6 +156,57 @@ def causal_pairs(new_tokens: ArrayLike, cached_tokens: ArrayLike) -> ArrayLike:
     return n * np.asarray(cached_tokens, dtype=float) + n * (n + 1.0) / 2.0
 
 
+@dataclass(frozen=True, slots=True)
+class StepCoefficients:
+    """`step_time`'s constants per backend, folded once (arrays over `Hardware`'s rows): the formula is
+    written here, once, and every caller (the router's `WorkModel`, `step_time`, the simulator's
+    `ScalarStepTime`) evaluates it. Folding matters on the request path: the router prices five step
+    shapes per decision, and each numpy call costs microseconds."""
+
+    linear_s: np.ndarray  # GEMM seconds per token (2 * active params at the compute peak and mfu)
+    always_s: np.ndarray  # reading the always-on weights (the GEMM phase's floor)
+    expert_s: np.ndarray  # reading one routed expert's weights in every MoE layer
+    pair_s: np.ndarray  # attention seconds per causal (query, key) pair, BF16
+    kv_s: np.ndarray  # decode KV read per token of context
+    overhead_s: np.ndarray  # fixed per step
+    seq_s: np.ndarray  # per decoding sequence in a step
+    experts: int  # routed experts per MoE layer (0: dense)
+    miss: float  # chance one token does not pick a given expert, 1 - top_k / routed (1.0: dense)
+
+    @classmethod
+    def of(cls, model: ModelSpec, hw: Hardware, eff: Efficiency = DEFAULT_EFFICIENCY) -> StepCoefficients:
+        bw = hw.mem_bw * eff.bw_util
+        moe = model.moe
+        return cls(
+            linear_s=2.0 * model.active_params / (hw.gemm_flops * eff.mfu),
+            always_s=(model.total_params - model.routed_params) * model.weight_bytes_per_param / bw,
+            expert_s=model.moe_layers * model.expert_params * model.weight_bytes_per_param / bw,
+            pair_s=model.attn_flops_per_pair / (hw.attn_flops * eff.mfu),
+            kv_s=model.kv_bytes_per_token * kv_replication(model, hw) / bw,
+            overhead_s=step_overhead(hw, eff),
+            seq_s=seq_overhead(hw, eff),
+            experts=moe.routed_experts if moe else 0,
+            miss=1.0 - moe.experts_per_token / moe.routed_experts if moe else 1.0,
+        )
+
+    def __call__(
+        self,
+        prefill_tokens: ArrayLike,
+        prefill_pairs: ArrayLike,
+        decode_batch: ArrayLike,
+        decode_context: ArrayLike,
+    ) -> np.ndarray:
+        """Seconds for one engine step per backend (see `step_time`); inputs broadcast against the rows."""
+        batch = np.asarray(decode_batch, dtype=float)
+        context = np.asarray(decode_context, dtype=float)
+        tokens = prefill_tokens + batch
+        weights = self.always_s + self.expert_s * (self.experts * (1.0 - self.miss**tokens))
+        gemm = np.maximum(self.linear_s * tokens, weights)
+        attention = np.maximum(self.pair_s * (prefill_pairs + context), self.kv_s * context)
+        seconds = gemm + attention + self.seq_s * batch + self.overhead_s
+        return np.where(tokens > 0, seconds, 0.0)
+
+
 def step_time(
     model: ModelSpec,
     hw: Hardware,
@@ -168,22 +219,10 @@ def step_time(
     """Seconds for one engine step mixing prefill chunks and decodes.
 
     `prefill_pairs` is the causal (query, key) pair count of the prefill chunks (`causal_pairs`);
-    `decode_context` the total tokens of context the decoding sequences attend over.
+    `decode_context` the total tokens of context the decoding sequences attend over. The formula is
+    `StepCoefficients`'; callers that time many steps on one set of backends keep the coefficients.
     """
-    tokens = np.asarray(prefill_tokens, dtype=float) + np.asarray(decode_batch, dtype=float)
-    gemm = np.maximum(
-        2.0 * model.active_params * tokens / (hw.gemm_flops * eff.mfu),
-        weight_bytes_read(model, tokens) / (hw.mem_bw * eff.bw_util),
-    )
-    kv_bytes = np.asarray(decode_context, dtype=float) * model.kv_bytes_per_token * kv_replication(model, hw)
-    attn_pairs = np.asarray(prefill_pairs, dtype=float) + np.asarray(decode_context, dtype=float)
-    attention = np.maximum(
-        model.attn_flops_per_pair * attn_pairs / (hw.attn_flops * eff.mfu),
-        kv_bytes / (hw.mem_bw * eff.bw_util),
-    )
-    busy = tokens > 0
-    per_seq = np.asarray(decode_batch, dtype=float) * seq_overhead(hw, eff)
-    return np.where(busy, gemm + attention + per_seq + step_overhead(hw, eff), 0.0)
+    return StepCoefficients.of(model, hw, eff)(prefill_tokens, prefill_pairs, decode_batch, decode_context)
 
 
 def prefill_time(
@@ -233,20 +272,20 @@ def kv_capacity_tokens(model: ModelSpec, hw: Hardware, eff: Efficiency = DEFAULT
 
 
 class ScalarStepTime:
-    """`step_time` for one backend with its constants folded, in plain floats (the simulator calls it
-    once per engine step, where numpy's per-call overhead would dominate). Same formula, tested equal."""
+    """`StepCoefficients` for one backend in plain floats (the simulator calls it once per engine step,
+    where numpy's per-call overhead would dominate). Same formula, tested equal."""
 
     def __init__(self, model: ModelSpec, hw: Hardware, eff: Efficiency = DEFAULT_EFFICIENCY) -> None:
-        bw = float(hw.mem_bw[0]) * eff.bw_util
-        self.linear_s = 2.0 * model.active_params / (float(hw.gemm_flops[0]) * eff.mfu)
-        self.always_s = (model.total_params - model.routed_params) * model.weight_bytes_per_param / bw
-        self.experts = model.moe.routed_experts if model.moe else 0
-        self.miss = 1.0 - model.moe.experts_per_token / model.moe.routed_experts if model.moe else 1.0
-        self.expert_s = model.moe_layers * model.expert_params * model.weight_bytes_per_param / bw
-        self.pair_s = model.attn_flops_per_pair / (float(hw.attn_flops[0]) * eff.mfu)
-        self.kv_s = model.kv_bytes_per_token * float(kv_replication(model, hw)[0]) / bw
-        self.overhead_s = float(step_overhead(hw, eff)[0])
-        self.seq_s = float(seq_overhead(hw, eff)[0])
+        c = StepCoefficients.of(model, hw, eff)
+        self.linear_s = float(c.linear_s[0])
+        self.always_s = float(c.always_s[0])
+        self.experts = c.experts
+        self.miss = c.miss
+        self.expert_s = float(c.expert_s[0])
+        self.pair_s = float(c.pair_s[0])
+        self.kv_s = float(c.kv_s[0])
+        self.overhead_s = float(c.overhead_s[0])
+        self.seq_s = float(c.seq_s[0])
 
     def __call__(
         self, prefill_tokens: int, prefill_pairs: float, decode_batch: int, decode_context: int

@@ -30,9 +30,9 @@ from scoring.cost import (
     DEFAULT_EFFICIENCY,
     Efficiency,
     Hardware,
+    StepCoefficients,
     causal_pairs,
     kv_capacity_tokens,
-    step_time,
 )
 from scoring.types import LegLoad, Mode
 
@@ -152,6 +152,7 @@ class WorkModel:
         self.efficiency = efficiency
         self.chunk_tokens = chunk_tokens
         self.kv_capacity = kv_capacity_tokens(model, hw, efficiency)
+        self._step_time = StepCoefficients.of(model, hw, efficiency)
 
     def context(self, context_tokens: np.ndarray, kv_usage: np.ndarray) -> np.ndarray:
         """Decoding context: the reserved one, or what vLLM's KV usage says is held, whichever is more."""
@@ -181,14 +182,11 @@ class WorkModel:
         zero = np.zeros_like(seqs)
         own_pairs = causal_pairs(new_tokens, cached_tokens)
         queued_pairs = prefill_tokens / prefill_len * causal_pairs(prefill_len, 0)
-        rows = step_time(
-            self.model,
-            self.hw,
+        rows = self._step_time(
             np.stack((zero, zero, prefill_tokens, new_tokens + zero, new_tokens + zero)),
             np.stack((zero, zero, queued_pairs, own_pairs + zero, own_pairs + zero)),
             np.stack((seqs, seqs + 1.0, zero, zero, seqs)),
             np.stack((context, context + own_context, zero, zero, context)),
-            self.efficiency,
         )
         base, step, queued, own, mixed = rows
         return Steps(
