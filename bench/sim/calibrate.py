@@ -155,7 +155,7 @@ def _predict_mixed(replay: _Replay, point: Point, seed: int) -> Observation:
     total = sum(len(replay.tokens[r]) for r in decodes) + 1
     return Observation(
         1e3 * (first - sent),
-        1e3 * statistics.mean(during) if during else float("nan"),
+        1e3 * max(during) if during else float("nan"),  # the stall, as bench/fidelity.py measures it
         total / replay.now,
     )
 
@@ -201,6 +201,18 @@ def _log_residuals(predicted: Sequence[Observation], measured: Sequence[Observat
     return np.where(np.isfinite(out), out, 0.0).ravel()  # a metric a point lacks (nan) does not pull
 
 
+# Where the fit starts, in log(figures) from the given entry: there, and with the weight-read floor
+# (memory_tbps) and the step's fixed cost 10x apart either way. Both add a constant to every small step,
+# so the least squares can stop in a valley along that line; a mixed point's stall (one step's time) gives
+# no gradient across it. Measured on exact synthetic points: from the entry alone the fit stopped with a
+# 1.6 % ITL residual, from the best of the three to rounding error (tests/unit/test_calibrate.py).
+_STARTS = (
+    np.zeros(len(FIGURES)),
+    np.log(10.0) * np.array([0.0, 1.0, -1.0, 0.0, 0.0]),
+    np.log(10.0) * np.array([0.0, -1.0, 1.0, 0.0, 0.0]),
+)
+
+
 def fit(
     points: Sequence[Point],
     measured: Sequence[Observation],
@@ -217,8 +229,14 @@ def fit(
     x0 = np.log([getattr(start, name) or 1e-3 for name in FIGURES])
     # Within 1e-4x..1e4x of the start, and no overhead under 1 us: a vanishing step time would stall
     # the virtual clock (end == start in floating point).
-    lower = np.maximum(x0 - np.log(1e4), np.log(1e-6))
-    result = least_squares(residuals, x0, bounds=(lower, x0 + np.log(1e4)), diff_step=1e-3, max_nfev=400)
+    lower, upper = np.maximum(x0 - np.log(1e4), np.log(1e-6)), x0 + np.log(1e4)
+    results = [
+        least_squares(
+            residuals, np.clip(x0 + shift, lower, upper), bounds=(lower, upper), diff_step=1e-3, max_nfev=400
+        )
+        for shift in _STARTS
+    ]
+    result = min(results, key=lambda r: float(r.cost))
     best = with_figures(start, np.exp(result.x))
     predicted = predict(points, model, best, config)
     relative = np.array([p.vector() for p in predicted]) / np.array([m.vector() for m in measured]) - 1.0
