@@ -2,15 +2,20 @@
 set of points (`short-fit`), predicts another (`short`: other lengths and concurrencies, a cached prefix,
 a long prefill among decodes) measured in the same run.
 
-The bound on the held-out median error is set from measurements, not from the aim. Four runs of exactly this
-check at stop 8 (2 rounds, a server like the session's, load average 3.1-4.7 on the 2-vCPU machine) gave
-held-out medians of 4.9-16.6 % (TTFT), 5.8-16.3 % (ITL) and 1.3-12.3 % (throughput), and the check passed
-two full CI runs at 25 %. On 2026-11-30 the same check, on the same machine with nothing else running, gave
-held-out medians from 5 % to 35 %: 35 % (TTFT) in a CI run, 27 % and 32 % (ITL) in two runs alone (one of
-them on stop 8's code), then 6.6 / 5.0 / 8.9 % in the next. In the failing runs every held-out ITL erred the
-same way (18-37 % low), as when the host's speed moves between the fit points and the held-out ones. 40 %
-still fails the uncalibrated simulator, off by 93 % / 49 % / 211 % (TTFT / ITL / throughput) on these
-points, and is what this host supports; the aim of 10 % (issue 13) is met in some runs only.
+The bound on the held-out median error is set from measurements, not from the aim. Stop 9 had to widen it
+to 40 %: held-out medians ranged 5-35 % on a quiet machine. Three causes were found and fixed:
+- the mixed point's ITL was the mean gap in the prefill's window, which averaged one long gap with a varying
+  number of short ones (38-121 ms in ten runs of one workload on real vLLM); it is now the stall (one step);
+- the fit could stop in a valley where the weight-read floor and the step overhead trade off (1.6 % ITL
+  residual on exact synthetic points); it now also starts 10x apart along that valley;
+- `short-fit` went to 640 tokens and the check to 896: the held-out TTFT at 896 came out 7-21 % high. The
+  fit now spans 128-960 tokens.
+Streams that a starved API server delivered in one burst are left out and counted (`burst_streams`). Six
+runs of exactly this check with all of it (3 rounds, a server like the session's, another process busy on the
+second core in all of them) gave held-out medians of at most 12.4 % in three runs without bursts (2.5 / 4.6 /
+1.7 % in the quietest) and at most 17 % in three runs with 21-34 burst streams. 25 % bounds that with
+margin and fails the uncalibrated simulator (off by 93 % / 49 % / 211 % on TTFT / ITL / throughput); the aim
+of 10 % (issue 13) is met in the quiet runs only.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 from vllm_server import ServerSpec, VllmFleet
 
 METRICS = ("ttft_ms", "itl_ms", "throughput_tps")
-MEDIAN_BOUND = 0.40  # held-out median |sim / real - 1| per metric (see the module docstring)
+MEDIAN_BOUND = 0.25  # held-out median |sim / real - 1| per metric (see the module docstring)
 
 
 def test_calibrated_simulator_predicts_held_out_points(
