@@ -106,8 +106,15 @@ class Row:
 
 
 async def stream_completion(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    stream: Stream | None = None,
 ) -> Stream:
+    """One streamed completion's timeline; filled into `stream` when given, so a caller can watch its
+    tokens arrive while it runs."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -118,7 +125,9 @@ async def stream_completion(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    stream = Stream(sent=time.monotonic())
+    if stream is None:
+        stream = Stream(sent=0.0)
+    stream.sent = time.monotonic()
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -176,7 +185,7 @@ async def _wait_until_decoding(
     await stream_completion(session, url, model, prompt_ids(16, seed, 98), 8)
 
 
-def _gaps_overlapping(streams: Sequence[Stream], lo: float, hi: float) -> tuple[list[float], list[float]]:
+def gaps_overlapping(streams: Sequence[Stream], lo: float, hi: float) -> tuple[list[float], list[float]]:
     """Token gaps of the decodes that overlap [lo, hi], and those that end before lo."""
     during: list[float] = []
     before: list[float] = []
@@ -224,7 +233,7 @@ async def measure_round(
         bursts = sum(s.burst for s in streams)
         out.bursts += bursts
         if not bursts:  # the stall is read from the decodes' gaps: all of them must be real
-            during, before = _gaps_overlapping(streams, long.sent, long.token_times[0])
+            during, before = gaps_overlapping(streams, long.sent, long.token_times[0])
             out.ttft.append(long.ttft)
             if during:
                 out.itl.append(max(during))  # the stall (see the module docstring)

