@@ -107,7 +107,9 @@ def test_load_combines_own_in_flight_with_reported_queue():
     b0 = reg.backends["b0"]
     reg.reserve(b0, LOAD)
     reg.reserve(b0, LOAD)
-    assert reg.candidates(reg.pools["m"]).load.tolist() == [2.0, 0.0]
+    b0.load = VllmLoad(running=1)  # lags behind our two
+    reg.backends["b1"].load = VllmLoad(running=1, waiting=2)  # other clients' requests
+    assert reg.candidates(reg.pools["m"]).load.tolist() == [2.0, 3.0]
     assert reg.in_flight_total() == 2
 
 
