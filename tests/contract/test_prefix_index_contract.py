@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -111,6 +112,27 @@ async def test_capacity_evicts_least_recent_tail_first(store_factory) -> None:
     # Other backends keep their default capacity.
     await index.record(MODEL, BS, PROMPT, "b")
     assert await index.match(MODEL, BS, PROMPT, ["b"]) == [8]
+
+
+async def test_recording_again_makes_blocks_most_recent(store_factory) -> None:
+    index = store_factory(capacity_blocks={"a": 4})
+    other = blocks(200, 201)
+    await index.record(MODEL, BS, PROMPT[:2], "a")
+    await _tick()
+    await index.record(MODEL, BS, other, "a")
+    await _tick()
+    await index.record(MODEL, BS, PROMPT[:2], "a")  # used again: now newer than `other`
+    await _tick()
+    await index.record(MODEL, BS, blocks(300), "a")  # one over capacity: `other`'s tail goes
+    assert await index.match(MODEL, BS, PROMPT, ["a"]) == [2]
+    assert await index.match(MODEL, BS, other, ["a"]) == [1]
+
+
+async def _tick() -> None:
+    """Wait for the wall clock's millisecond to change: Redis orders recency by millisecond stamps."""
+    start = time.time_ns() // 1_000_000
+    while time.time_ns() // 1_000_000 == start:
+        await asyncio.sleep(0.0005)
 
 
 async def test_tenant_salts_never_share_hits(index) -> None:

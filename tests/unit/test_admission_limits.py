@@ -176,12 +176,14 @@ async def test_cancelled_waiter_gives_back_its_places() -> None:
 
 async def test_queue_rejection_refunds_tokens_and_places() -> None:
     h = Harness(
-        max_concurrent=1, max_queued=0, per_key={"tokens_per_s": 1, "burst_tokens": 400, "max_concurrent": 2}
+        max_concurrent=2, max_queued=0, per_key={"tokens_per_s": 1, "burst_tokens": 400, "max_concurrent": 2}
     )
-    held = await h.admit(key("a"))  # 200 of 400 tokens
-    await h.reject(key("a"))  # queue_full: the 200 tokens and the place come back
+    other = await h.admit(key("b"))
+    held = await h.admit(key("a"))  # 200 of 400 tokens, 1 of 2 places
+    assert (await h.reject(key("a"))).reason == "queue_full"  # its 200 tokens and its place come back
+    other.release()
+    (await h.admit(key("a"))).release()  # takes the last 200 tokens and the second place
     held.release()
-    await h.admit(key("a"))
 
 
 async def test_identities_are_bounded_and_idle_ones_forgotten() -> None:

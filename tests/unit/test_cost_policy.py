@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from scoring.catalog import load_catalog
-from scoring.cost_policy import CostRanker
+from scoring.cost_policy import CostRanker, _best, _order
 from scoring.outcome import Measured, outcomes_of
 from scoring.router import build_router
 from scoring.types import (
@@ -255,3 +255,23 @@ def test_transfer_is_learnt_per_pair(deepseek):
     assert after is not None
     assert after.transfer_s == pytest.approx(3 * before.transfer_s, rel=0.05)
     assert router.ranker.correction("mi308x-0") == 1.0  # the decoder's compute is not blamed
+
+
+def test_plans_are_ordered_cheap_tier_then_feasible_then_infeasible_each_by_finish():
+    rows = np.array([10, 11, 12, 13])
+    cost, finish = np.array([1.0, 1.2, 3.0, 0.5]), np.array([5.0, 4.0, 1.0, 0.1])
+    ok = np.array([True, True, True, False])  # 13 is cheapest and quickest but misses the SLO
+    assert _order(rows, cost, finish, ok, 0.5).tolist() == [11, 10, 12, 13]  # 1.2 is within 50 % of 1.0
+    assert _order(rows, cost, finish, ok, 0.1).tolist() == [10, 12, 11, 13]  # 11 falls to the feasible tier
+    none_ok = np.zeros(4, dtype=bool)
+    assert _order(rows, cost, finish, none_ok, 0.5).tolist() == [13, 12, 11, 10]  # by finish alone
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_best_pair_is_the_first_of_the_full_order_of_pairs(seed):
+    """`_best` picks from the [prefill, decode] matrix without sorting it: `_order`'s first pair."""
+    rng = np.random.default_rng(seed)
+    cost, finish = rng.uniform(1.0, 2.0, (2, 6, 5))
+    ok = rng.random((6, 5)) < (0.5 if seed else 0.0)  # seed 0: no feasible pair
+    first = _order(np.arange(30), cost.ravel(), finish.ravel(), ok.ravel(), 0.3)[0]
+    assert _best(cost, finish, ok, 0.3) == divmod(int(first), 5)

@@ -98,12 +98,14 @@ class Rig:
         self.events: Counter[str] = Counter()
         self.tmp_path = tmp_path
         self.closers: list[Callable[[], object]] = []
+        self.subscribers: list[KVEventSubscriber] = []
 
     def subscriber(self, endpoint: str, replay: str | None = None) -> KVEventSubscriber:
         sub = KVEventSubscriber(
             "be-1", MODEL, endpoint, self.index, self.hasher, topic=TOPIC, replay_endpoints=replay,
             on_event=lambda what: self.events.update([what]), context=self.ctx,
         )  # fmt: skip
+        self.subscribers.append(sub)
         return sub
 
     def publisher(self, endpoint: str, bind: bool) -> Publisher:
@@ -120,9 +122,11 @@ class Rig:
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     rig = Rig(tmp_path)
     yield rig
+    for sub in rig.subscribers:  # idempotent; a test that failed before its own stop() left it open
+        await sub.stop()
     for close in rig.closers:
         close()
-    rig.ctx.term()
+    rig.ctx.term()  # blocks for ever while any socket of the context is open
 
 
 async def _started(rig: Rig, endpoint: str, replay: str | None = None) -> KVEventSubscriber:

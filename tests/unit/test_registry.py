@@ -5,6 +5,7 @@ from __future__ import annotations
 from gateway.config import parse_config
 from gateway.outlier import Verdict
 from gateway.registry import HealthEvent, Registry
+from gateway.stats import VllmLoad
 from scoring.types import LegLoad
 
 LOAD = LegLoad(prefill_tokens=0, decode_tokens=1, context_tokens=0)
@@ -106,8 +107,27 @@ def test_load_combines_own_in_flight_with_reported_queue():
     b0 = reg.backends["b0"]
     reg.reserve(b0, LOAD)
     reg.reserve(b0, LOAD)
-    assert reg.candidates(reg.pools["m"]).load.tolist() == [2.0, 0.0]
+    b0.load = VllmLoad(running=1)  # lags behind our two
+    reg.backends["b1"].load = VllmLoad(running=1, waiting=2)  # other clients' requests
+    assert reg.candidates(reg.pools["m"]).load.tolist() == [2.0, 3.0]
     assert reg.in_flight_total() == 2
+
+
+def test_work_columns_take_the_larger_of_our_reservations_and_vllms_counts():
+    reg, _ = registry(Clock())
+    a, b = reg.backends["b0"], reg.backends["b1"]
+    reg.reserve(a, LegLoad(prefill_tokens=100, decode_tokens=8, context_tokens=120))
+    reg.reserve(a, LegLoad(prefill_tokens=300, decode_tokens=8, context_tokens=280))
+    a.load = VllmLoad(running=4, waiting=6)  # vLLM also serves other clients: its view is larger
+    reg.reserve(b, LegLoad(prefill_tokens=50, decode_tokens=8, context_tokens=60))
+    # b's metrics lag (nothing reported yet): our reservation is the larger view
+    c = reg.candidates(reg.pools["m"])
+    assert c.load.tolist() == [10.0, 1.0]
+    # vLLM's extra sequences and waiting prompts are priced like ours (200 context, 200-token prompts)
+    assert c.decode_seqs.tolist() == [4.0, 1.0]
+    assert c.context_tokens.tolist() == [800.0, 60.0]
+    assert c.prefill_tokens.tolist() == [1200.0, 50.0]
+    assert c.prefill_len.tolist() == [200.0, 50.0]
 
 
 def test_reservation_adds_its_load_and_takes_it_off_once():

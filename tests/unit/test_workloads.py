@@ -77,6 +77,7 @@ def test_shared_system_prompts_share_their_prefix() -> None:
 def test_multi_turn_prompts_extend_the_previous_turn() -> None:
     chats = w.multi_turn_chats(3, 4, seed=2)
     session = sorted((r for r in chats if r.session == chats[0].session), key=lambda r: r.request_id)
+    assert len(session) == 4
     for earlier, later in itertools.pairwise(session):
         assert later.prompt_len > earlier.prompt_len
         assert later.prompt.blocks[: len(earlier.prompt.blocks)] == earlier.prompt.blocks
