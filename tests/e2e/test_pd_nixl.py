@@ -39,6 +39,8 @@ pytestmark = [pytest.mark.e2e]
 MAX_TOKENS = 16
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
+
+
 @pytest.fixture(scope="module")
 def nixl_specs(vllm_venv: Path) -> tuple[ServerSpec, ServerSpec]:
     probe = subprocess.run([str(vllm_venv / "bin" / "python"), "-c", "import nixl._api"], capture_output=True)
