@@ -236,8 +236,9 @@ async def measure_round(
             during, before = gaps_overlapping(streams, long.sent, long.token_times[0])
             out.ttft.append(long.ttft)
             if during:
-                out.itl.append(max(during))  # the stall (see the module docstring)
-                out.stall.append(max(during))
+                stall = max(during)
+                out.itl.append(stall)  # a mixed point's ITL figure is its stall (module docstring)
+                out.stall.append(stall)
             out.before.extend(before)
     else:
         streams, wall = await _round(session, url, model, point, seed)
@@ -313,11 +314,9 @@ def real_server(url: str | None, max_model_len: int, core: str, log_dir: Path) -
     if url:
         yield url.rstrip("/")
         return
-    from bench.vllm_server import ServerSpec, VllmServer
+    from bench.vllm_server import SETUP_HINT, ServerSpec, VllmServer, tiny_model_dir
 
-    model_dir = Path(os.environ.get("HETGATE_TINY_MODEL", Path.home() / ".cache" / "hetgate" / "tiny-model"))
-    if not (model_dir / "config.json").exists():
-        raise SystemExit(f"no tiny model in {model_dir}: run scripts/setup_vllm_env.sh (or pass --vllm-url)")
+    model_dir = tiny_model_dir(f"{SETUP_HINT} (or pass --vllm-url)")
     spec = ServerSpec("fidelity", omp_threads_bind=core, extra_args=("--max-model-len", str(max_model_len)))
     server = VllmServer(spec=spec, model_dir=model_dir, log_dir=log_dir)
     try:

@@ -10,8 +10,9 @@ One pair of NixlConnector servers (a producer and a consumer, one core each, `be
 Each round starts `--decodes` streams (128-token prompts, `--decode-tokens` out) and, once they decode,
 one long prompt (`--prompt-tokens`, 16 out). Reported per mode (medians over rounds): the decodes' ITL
 before the long prompt, their stall (the longest token gap while it prefilled, as `hetgate bench fidelity`
-measures it), the long prompt's TTFT, and the round's output tokens per second. Same servers, same
-gateway, same prompts: only where the long prefill runs differs.
+measures it), the long prompt's TTFT, and the round's output tokens per second. Same servers, one gateway
+per mode, prompts of the same lengths (new ids per round and mode: no prefix-cache reuse); only where the
+long prefill runs differs.
 
     hetgate bench interference [--rounds 5] [--decodes 4] [--prompt-tokens 896] [--json FILE]
 """
@@ -34,7 +35,7 @@ import aiohttp
 from bench.fidelity import Stream, gaps_overlapping, stream_completion
 from bench.fidelity_workload import prompt_ids
 from bench.harness import GatewayProcess
-from bench.vllm_server import SERVED_MODEL_NAME, VllmServer, nixl_spec
+from bench.vllm_server import SERVED_MODEL_NAME, SETUP_HINT, VllmServer, nixl_spec, start_all, tiny_model_dir
 
 MODES = {"colocated": "never", "pd": "always"}
 
@@ -91,36 +92,32 @@ def median_row(rounds: Sequence[dict[str, float]]) -> dict[str, float]:
 
 
 def start_pair(log_dir: Path) -> tuple[VllmServer, VllmServer]:
-    model_dir = Path(os.environ.get("HETGATE_TINY_MODEL", Path.home() / ".cache" / "hetgate" / "tiny-model"))
-    if not (model_dir / "config.json").exists():
-        raise SystemExit(f"no tiny model in {model_dir}: run scripts/setup_vllm_env.sh --with-nixl")
+    model_dir = tiny_model_dir(f"{SETUP_HINT} --with-nixl")
     cores = sorted(os.sched_getaffinity(0))
     specs = (
         nixl_spec("ix-prefill", "kv_producer", str(cores[0])),
         nixl_spec("ix-decode", "kv_consumer", str(cores[-1])),
     )
-    servers = tuple(VllmServer(spec=spec, model_dir=model_dir, log_dir=log_dir) for spec in specs)
-    for server in servers:
-        server.start()
-    for server in servers:
-        server.wait_healthy()
-    return servers[0], servers[1]
+    prefill, decode = (VllmServer(spec=spec, model_dir=model_dir, log_dir=log_dir) for spec in specs)
+    start_all([prefill, decode])  # stops both if either fails
+    return prefill, decode
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     prefill, decode = start_pair(Path(args.log_dir))
+    gateways: dict[str, GatewayProcess] = {}
+    per_mode: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     try:
-        gateways = {mode: GatewayProcess(gateway_config(prefill, decode, mode)).start() for mode in MODES}
-        try:
-            per_mode: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
-            asyncio.run(one_round(gateways["colocated"].url, args, seed=1))  # warm-up, not counted
-            for r in range(args.rounds):  # alternated, so a drift of the host's speed hits both modes
-                for mode, gateway in gateways.items():
-                    per_mode[mode].append(asyncio.run(one_round(gateway.url, args, seed=1000 + 10 * r)))
-        finally:
-            for gateway in gateways.values():
-                gateway.stop()
+        for mode in MODES:
+            gateways[mode] = GatewayProcess(gateway_config(prefill, decode, mode)).start()
+        asyncio.run(one_round(gateways["colocated"].url, args, seed=1))  # warm-up, not counted
+        for r in range(args.rounds):  # alternated, so a drift of the host's speed hits both modes
+            for m, (mode, gateway) in enumerate(gateways.items()):
+                # Prompts of the same lengths but new ids: no mode reuses the other's prefix cache.
+                per_mode[mode].append(asyncio.run(one_round(gateway.url, args, seed=1000 + 10 * r + m)))
     finally:
+        for gateway in gateways.values():
+            gateway.stop()
         prefill.stop()
         decode.stop()
     result = {"settings": vars(args) | {"log_dir": str(args.log_dir)}, "modes": {}}

@@ -38,6 +38,7 @@ __all__ = [
     "free_port",
     "nixl_spec",
     "start_all",
+    "tiny_model_dir",
 ]
 
 SERVED_MODEL_NAME = "tiny"
@@ -56,6 +57,16 @@ class ServerStartError(RuntimeError):
 def default_venv() -> Path:
     configured = os.environ.get("HETGATE_VLLM_VENV")
     return Path(configured) if configured else Path.home() / ".cache" / "hetgate" / "vllm-venv"
+
+
+def tiny_model_dir(setup: str = SETUP_HINT) -> Path:
+    """The tiny model the setup script builds ($HETGATE_TINY_MODEL or ~/.cache/hetgate/tiny-model); exits
+    with how to build it (`setup`) when it is not there."""
+    configured = os.environ.get("HETGATE_TINY_MODEL")
+    model_dir = Path(configured) if configured else Path.home() / ".cache" / "hetgate" / "tiny-model"
+    if not (model_dir / "config.json").exists():
+        raise SystemExit(f"no tiny model in {model_dir}: run {setup}")
+    return model_dir
 
 
 def free_port() -> int:

@@ -147,7 +147,7 @@ def weight_bytes_read(model: ModelSpec, tokens: ArrayLike) -> ArrayLike:
     if model.moe is None:
         return always + 0.0 * np.asarray(tokens, dtype=float)
     touched = expected_experts(model.moe.routed_experts, model.moe.experts_per_token, tokens)
-    return always + model.moe_layers * touched * model.expert_params * model.weight_bytes_per_param
+    return always + (model.moe_layers * model.expert_params * model.weight_bytes_per_param) * touched
 
 
 def causal_pairs(new_tokens: ArrayLike, cached_tokens: ArrayLike) -> ArrayLike:
@@ -159,34 +159,29 @@ def causal_pairs(new_tokens: ArrayLike, cached_tokens: ArrayLike) -> ArrayLike:
 @dataclass(frozen=True, slots=True)
 class StepCoefficients:
     """`step_time`'s constants per backend, folded once (arrays over `Hardware`'s rows): the formula is
-    written here, once, and every caller (the router's `WorkModel`, `step_time`, the simulator's
-    `ScalarStepTime`) evaluates it. Folding matters on the request path: the router prices five step
-    shapes per decision, and each numpy call costs microseconds."""
+    written here, once, and the router's `WorkModel` and `step_time` evaluate it (the simulator's
+    `ScalarStepTime` is its float copy for one backend). Folding matters on the request path: the router
+    prices five step shapes per decision, and each numpy call costs microseconds."""
 
+    model: ModelSpec  # for the weight bytes a step reads (`weight_bytes_read`)
     linear_s: np.ndarray  # GEMM seconds per token (2 * active params at the compute peak and mfu)
-    always_s: np.ndarray  # reading the always-on weights (the GEMM phase's floor)
-    expert_s: np.ndarray  # reading one routed expert's weights in every MoE layer
+    byte_s: np.ndarray  # seconds to read one byte of weights or KV (bandwidth at bw_util)
     pair_s: np.ndarray  # attention seconds per causal (query, key) pair, BF16
     kv_s: np.ndarray  # decode KV read per token of context
     overhead_s: np.ndarray  # fixed per step
     seq_s: np.ndarray  # per decoding sequence in a step
-    experts: int  # routed experts per MoE layer (0: dense)
-    miss: float  # chance one token does not pick a given expert, 1 - top_k / routed (1.0: dense)
 
     @classmethod
     def of(cls, model: ModelSpec, hw: Hardware, eff: Efficiency = DEFAULT_EFFICIENCY) -> StepCoefficients:
-        bw = hw.mem_bw * eff.bw_util
-        moe = model.moe
+        byte_s = 1.0 / (hw.mem_bw * eff.bw_util)
         return cls(
+            model=model,
             linear_s=2.0 * model.active_params / (hw.gemm_flops * eff.mfu),
-            always_s=(model.total_params - model.routed_params) * model.weight_bytes_per_param / bw,
-            expert_s=model.moe_layers * model.expert_params * model.weight_bytes_per_param / bw,
+            byte_s=byte_s,
             pair_s=model.attn_flops_per_pair / (hw.attn_flops * eff.mfu),
-            kv_s=model.kv_bytes_per_token * kv_replication(model, hw) / bw,
+            kv_s=model.kv_bytes_per_token * kv_replication(model, hw) * byte_s,
             overhead_s=step_overhead(hw, eff),
             seq_s=seq_overhead(hw, eff),
-            experts=moe.routed_experts if moe else 0,
-            miss=1.0 - moe.experts_per_token / moe.routed_experts if moe else 1.0,
         )
 
     def __call__(
@@ -200,8 +195,7 @@ class StepCoefficients:
         batch = np.asarray(decode_batch, dtype=float)
         context = np.asarray(decode_context, dtype=float)
         tokens = prefill_tokens + batch
-        weights = self.always_s + self.expert_s * (self.experts * (1.0 - self.miss**tokens))
-        gemm = np.maximum(self.linear_s * tokens, weights)
+        gemm = np.maximum(self.linear_s * tokens, weight_bytes_read(self.model, tokens) * self.byte_s)
         attention = np.maximum(self.pair_s * (prefill_pairs + context), self.kv_s * context)
         seconds = gemm + attention + self.seq_s * batch + self.overhead_s
         return np.where(tokens > 0, seconds, 0.0)
@@ -272,16 +266,18 @@ def kv_capacity_tokens(model: ModelSpec, hw: Hardware, eff: Efficiency = DEFAULT
 
 
 class ScalarStepTime:
-    """`StepCoefficients` for one backend in plain floats (the simulator calls it once per engine step,
-    where numpy's per-call overhead would dominate). Same formula, tested equal."""
+    """`StepCoefficients` for one backend in plain floats, `weight_bytes_read` folded in (the simulator
+    calls it once per engine step, where numpy's per-call overhead would dominate). Same formula, tested
+    equal."""
 
     def __init__(self, model: ModelSpec, hw: Hardware, eff: Efficiency = DEFAULT_EFFICIENCY) -> None:
         c = StepCoefficients.of(model, hw, eff)
+        byte_s = float(c.byte_s[0])
         self.linear_s = float(c.linear_s[0])
-        self.always_s = float(c.always_s[0])
-        self.experts = c.experts
-        self.miss = c.miss
-        self.expert_s = float(c.expert_s[0])
+        self.always_s = (model.total_params - model.routed_params) * model.weight_bytes_per_param * byte_s
+        self.experts = model.moe.routed_experts if model.moe else 0
+        self.miss = 1.0 - model.moe.experts_per_token / model.moe.routed_experts if model.moe else 1.0
+        self.expert_s = model.moe_layers * model.expert_params * model.weight_bytes_per_param * byte_s
         self.pair_s = float(c.pair_s[0])
         self.kv_s = float(c.kv_s[0])
         self.overhead_s = float(c.overhead_s[0])
