@@ -125,6 +125,7 @@ class _Priced:
     step: np.ndarray  # the decode step with this request in the batch
     stall: np.ndarray  # how much longer the running batch's steps take in all while this prefill runs
     seqs: np.ndarray  # sequences decoding
+    delay: np.ndarray  # how much later the queued prompts that share this prefill's step finish, in all
 
 
 class CostRanker(SimpleRanker):
@@ -160,7 +161,9 @@ class CostRanker(SimpleRanker):
         self._pair_correction: dict[tuple[str, str], float] = {}
 
     # --- pricing ---------------------------------------------------------------------------------------
-    def _price(self, request: RequestFeatures, c: Candidates, cl: _Cluster) -> _Priced:
+    def _price(
+        self, request: RequestFeatures, c: Candidates, cl: _Cluster, idle_is_free: bool = False
+    ) -> _Priced:
         work = cl.work
         prompt, out = request.prompt_tokens, max(request.max_tokens, 1)
         k = cl.compute_factor
@@ -172,7 +175,9 @@ class CostRanker(SimpleRanker):
         base, step = s.base, s.step
         wait = k * s.wait
         compute = k * s.prefill
-        decode_cost = out * (step - base)
+        # The marginal decode step. A backend's first sequence pays the step's fixed part (weights read,
+        # overhead) unless `idle_is_free`: see `choose`.
+        decode_cost = out * (step - (np.maximum(base, work.fixed_step) if idle_is_free else base))
         # Chunked prefill shares the decode steps: the prefill queued here stretches them (taken as
         # the backend's ongoing prefill traffic), and a split's first token waits for one chunk.
         tpot = step + wait / out
@@ -180,20 +185,31 @@ class CostRanker(SimpleRanker):
         first_step = step + wait * chunk_share
         kv_ok = context + prompt + out <= 0.95 * work.kv_capacity
         stall = k * s.stall
-        return _Priced(wait, compute, tpot, first_step, decode_cost, kv_ok, step, stall, seqs)
+        delay = compute * _cobatched(c.prefill_tokens, c.prefill_len, new, self.chunk_tokens)
+        return _Priced(wait, compute, tpot, first_step, decode_cost, kv_ok, step, stall, seqs, delay)
 
     @staticmethod
-    def _harm(p: _Priced, out: int, slo_tpot: float) -> tuple[np.ndarray, np.ndarray]:
-        """The delay a plan imposes on the sequences already decoding (per backend: as the prefill
-        side, as the decode side), weighted by how close it brings them to the TPOT target (1 at or
-        past it, 0 without a target: a pure throughput objective counts only the plan's own time).
-        Chunked prefill puts every prefill chunk into their steps, so each waits for the whole
-        prefill (spread over about this request's output length); one more sequence lengthens each
-        of their steps. Tried and dropped: counting it only past the target (a step function): the
-        decoders were already full when it switched on (0.66x round robin on shared system prompts)."""
+    def _harm(p: _Priced, out: int, slo: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+        """The delay a plan imposes on the requests already there (per backend: as the prefill side,
+        as the decode side), each weighted by how close it brings them to their target (1 at or past
+        it, 0 without a target: a pure throughput objective counts only the plan's own time):
+
+        - the sequences decoding: chunked prefill puts every prefill chunk into their steps, so each
+          waits for the whole prefill (spread over about this request's output length); one more
+          sequence lengthens each of their steps (TPOT target);
+        - the prompts queued in the step this prefill joins: vLLM fills a step with waiting prompts
+          up to its token budget and they all finish with it, so a prompt planned later delays those
+          planned before it (TTFT target; the queue ahead stands for theirs). Without it, a burst of
+          requests went to the backend that finished each one first, one at a time, and the earlier
+          ones missed their TTFT (bursty@nvidia: 15 % missed at 2 % load).
+
+        Tried and dropped: counting it only past the target (a step function): the decoders were
+        already full when it switched on (0.66x round robin on shared system prompts)."""
+        slo_ttft, slo_tpot = slo
         stalled = np.minimum((p.step + p.stall / out) / slo_tpot, 1.0)
+        queued = np.minimum((p.wait + p.compute) / slo_ttft, 1.0)
         crowded = np.minimum(p.step / slo_tpot, 1.0)
-        return stalled * p.seqs * p.stall, crowded * p.seqs * p.decode_cost
+        return stalled * p.seqs * p.stall + queued * p.delay, crowded * p.seqs * p.decode_cost
 
     def predicted_ttft(self, request: RequestFeatures, candidates: Candidates) -> np.ndarray:
         """Aggregated TTFT on every backend (queue and own prefill, corrected)."""
@@ -230,13 +246,20 @@ class CostRanker(SimpleRanker):
         if not agg_mask.any():
             return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
         cl = self._cluster(c.specs)
-        p = self._price(request, c, cl)
+        # Without a split, where a request decodes is where it prefills, and an idle backend's weights
+        # read cost nothing that was not idle anyway: charged to the first sequence, they made an idle
+        # backend look 10x dearer than a busy one and piled requests onto the busiest (B200 + 2xH100,
+        # multi-turn chats: 19.3 -> 25.2 requests/s SLO capacity without the charge). With a split
+        # allowed, those steps are the price of making a backend a decoder, which keeps a compute-rich
+        # one prefilling (dropped there too, the AMD seed case lost a third of its SLO capacity).
+        idle_is_free = split.disaggregation is Disaggregation.NEVER
+        p = self._price(request, c, cl, idle_is_free)
         slo_ttft, slo_tpot = self._targets(request, cl)
         out = max(request.max_tokens, 1)
         order = self._rotate(np.flatnonzero(agg_mask))
         agg_ttft = p.wait + p.compute
         agg_ok = (agg_ttft <= slo_ttft) & (p.tpot <= slo_tpot) & p.kv_ok
-        prefill_harm, decode_harm = self._harm(p, out, slo_tpot)
+        prefill_harm, decode_harm = self._harm(p, out, (slo_ttft, slo_tpot))
         harm = prefill_harm + decode_harm
         agg_finish = agg_ttft + out * p.tpot + harm
         agg_cost = cl.price * p.compute + cl.price * p.decode_cost + harm
@@ -436,6 +459,15 @@ def _shortlist(rows: np.ndarray, time: np.ndarray, cost: np.ndarray) -> np.ndarr
     keep[np.argpartition(time, SHORTLIST)[:SHORTLIST]] = True
     keep[np.argpartition(cost, SHORTLIST)[:SHORTLIST]] = True
     return rows[keep]
+
+
+def _cobatched(queued: np.ndarray, prompt_len: np.ndarray, new: np.ndarray, chunk: int) -> np.ndarray:
+    """Per backend: the queued prompts that finish in the step a new prefill of `new` tokens joins (those
+    in the last, partly filled chunk of the queue), times the share of the new prefill that step takes.
+    A full last chunk leaves none: the new prefill starts a step of its own."""
+    rest = np.mod(queued, chunk)
+    share = np.minimum(np.maximum(new, 1.0), chunk - rest) / np.maximum(new, 1.0)
+    return np.asarray(rest / np.maximum(prompt_len, 1.0) * share)
 
 
 def _best(cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float) -> tuple[int, int]:

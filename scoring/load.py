@@ -153,6 +153,10 @@ class WorkModel:
         self.chunk_tokens = chunk_tokens
         self.kv_capacity = kv_capacity_tokens(model, hw, efficiency)
         self._step_time = StepCoefficients.of(model, hw, efficiency)
+        # One decode step of a single sequence without context: the weights read and the step overhead,
+        # which a backend pays once per step however many sequences share it.
+        zero = np.zeros(len(hw.gemm_flops))
+        self.fixed_step = np.asarray(self._step_time(zero, zero, zero + 1.0, zero))
 
     def context(self, context_tokens: np.ndarray, kv_usage: np.ndarray) -> np.ndarray:
         """Decoding context: the reserved one, or what vLLM's KV usage says is held, whichever is more."""

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from scoring.catalog import load_catalog
-from scoring.cost_policy import CostRanker, _best, _order
+from scoring.cost_policy import CostRanker, _best, _cobatched, _order
 from scoring.outcome import Measured, outcomes_of
 from scoring.router import build_router
 from scoring.types import (
@@ -275,3 +275,72 @@ def test_the_best_pair_is_the_first_of_the_full_order_of_pairs(seed):
     ok = rng.random((6, 5)) < (0.5 if seed else 0.0)  # seed 0: no feasible pair
     first = _order(np.arange(30), cost.ravel(), finish.ravel(), ok.ravel(), 0.3)[0]
     assert _best(cost, finish, ok, 0.3) == divmod(int(first), 5)
+
+
+# --- bursts and idle hardware (B200 + H100, Llama-3.1-70B) ------------------------------------------------
+def nvidia(stats: tuple[BackendStats, BackendStats]) -> Candidates:
+    specs = (
+        BackendSpec("b200-0", "m", "b200", 4, BOTH),
+        BackendSpec("h100-0", "m", "h100-sxm", 4, BOTH),
+    )
+    return Candidates.build(specs, stats, np.zeros(2, dtype=np.int64))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_catalog().model("llama-3.1-70b")
+
+
+@pytest.mark.parametrize(
+    ("queued_tokens", "prompt_len", "new", "expected"),
+    [
+        (0, 1, 1536, 0.0),  # nothing queued
+        (1536, 1536, 1536, 1.0),  # one prompt waiting: it finishes with the new one
+        (8192, 1536, 1536, 0.0),  # the queue fills whole steps: the new prompt starts its own
+        (7680, 1536, 1536, 5 / 3),  # five prompts in the last step, a third of the new one joins it
+        (9728, 1536, 1536, 1.0),  # one step full, one prompt in the next
+    ],
+)
+def test_cobatched_counts_the_queued_prompts_sharing_the_new_prefills_step(
+    queued_tokens, prompt_len, new, expected
+):
+    got = _cobatched(
+        np.array([queued_tokens], float), np.array([prompt_len], float), np.array([new], float), 8192
+    )
+    assert got[0] == pytest.approx(expected)
+
+
+def test_a_burst_is_not_stacked_on_the_fastest_backend(llama):
+    """Three prompts queued on the B200 finish with a fourth one put there (vLLM batches them in one
+    step), so the fourth goes to the H100 (decoding one sequence) although the B200 would finish it
+    first, in either split mode."""
+    request = RequestFeatures("m", prompt_tokens=1536, max_tokens=128)
+    burst = BackendStats(in_flight=3, prefill_tokens=4608, prefill_seqs=3, decode_seqs=3, context_tokens=4608)
+    one = BackendStats(in_flight=1, decode_seqs=1, context_tokens=1600, running=1)
+    ranker = CostRanker(llama)
+    candidates = nvidia((burst, one))
+    priced = ranker._price(request, candidates, ranker._cluster(candidates.specs))
+    finish = priced.wait + priced.compute + request.max_tokens * priced.tpot
+    assert finish[0] < finish[1]  # on its own account the request is done sooner on the B200
+    assert priced.delay[0] > 0 and priced.delay[1] == 0
+    for split in ("never", "auto"):
+        plan = build_router("cost", model=llama, disaggregation=split).plan(request, candidates)
+        assert plan.aggregated[0] == 1
+
+
+def test_an_idle_backend_is_not_dearer_than_a_busy_one_without_a_split(llama):
+    """Without a split an idle backend's weights read are spare capacity: two alike backends, one decoding
+    one sequence, the other idle: the idle one serves the next request. With a split allowed the first
+    sequence pays them (it makes the backend a decoder), and the busy one keeps the request."""
+    specs = (
+        BackendSpec("h100-0", "m", "h100-sxm", 4, BOTH),
+        BackendSpec("h100-1", "m", "h100-sxm", 4, BOTH),
+    )
+    one = BackendStats(in_flight=1, decode_seqs=1, context_tokens=2000, running=1)
+    candidates = Candidates.build(specs, (one, BackendStats()), np.zeros(2, dtype=np.int64))
+    request = RequestFeatures("m", prompt_tokens=1000, max_tokens=128)
+    for _ in range(4):  # whatever the rotation
+        plan = build_router("cost", model=llama).plan(request, candidates)
+        assert plan.aggregated[0] == 1
+    auto = build_router("cost", model=llama, disaggregation="auto").plan(request, candidates)
+    assert auto.aggregated[0] == 0
