@@ -12,16 +12,18 @@ For one request (prompt P, cached c_i on backend i, up to M output tokens), all 
 `queue`, `prefill` and the decode step are `scoring/load.py`'s one load formula over the backend's
 reserved and reported work; prefill and transfer are `scoring/cost.py`'s roofline. Each plan also has a
 **cluster cost**: the seconds of work it adds (own prefill on its prefill backend; M times the marginal
-decode step on its decode backend), each backend's seconds weighted by its compute (its dense FLOP/s
+decode step on its decode backend, where under `never` an idle backend's first sequence does not pay the
+step's weights read: see `choose`), each backend's seconds weighted by its compute (its dense FLOP/s
 over the cluster's largest), so the plan that uses the least of the cluster's compute wins, and a
 compute-rich backend is not spent on work a compute-poor one does as well (decode on a bandwidth-rich,
 compute-poor backend is cheap; prefill costs about the same FLOPs anywhere), plus the **delay it imposes
 on the requests already running**: a prefill on b stalls each of b's running decodes for its compute
 (chunked prefill puts its chunks into their steps), and one more sequence on d lengthens each of d's
-other sequences' steps for about this request's output length. Without that term the policy packed
-decodes onto the backends with the cheapest seconds until their TPOT broke (AMD seed cluster, shared
-system prompts: 0.25x round robin's SLO capacity), and past saturation sent 16k-token prompts to the
-compute-poor decoders, whose running decodes then missed their TPOT.
+other sequences' steps for about this request's output length, and a prefill delays the prompts queued
+in the step it joins (vLLM batches waiting prompts in one step; they finish together). Without that
+term the policy packed decodes onto the backends with the cheapest seconds until their TPOT broke (AMD
+seed cluster, shared system prompts: 0.25x round robin's SLO capacity), and past saturation sent
+16k-token prompts to the compute-poor decoders, whose running decodes then missed their TPOT.
 
 **The choice.** Plans that meet the SLO (TTFT <= `ttft_s`, TPOT <= `tpot_s`, and the decode backend's
 KV holds the request) are feasible. Among them, those whose cost is within `cost_tolerance` of the
