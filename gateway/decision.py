@@ -13,6 +13,7 @@ against the prediction it planned with).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,8 +28,9 @@ from gateway.schemas import ParsedRequest, estimate_prompt_tokens
 from scoring.catalog import load_catalog
 from scoring.cost_policy import Slo
 from scoring.load import leg_load
+from scoring.outcome import Measured, outcomes_of
 from scoring.router import build_router
-from scoring.types import Candidates, LegLoad, Mode, Outcome, RequestFeatures, RoutePlan, Router
+from scoring.types import Candidates, LegLoad, Mode, RequestFeatures, RoutePlan, Router
 
 if TYPE_CHECKING:
     from gateway.affinity import Affinity
@@ -78,6 +80,19 @@ def build_routers(config: GatewayConfig) -> dict[str, Router]:
             routing.policy, routing.disaggregation, routing.pd_min_prompt_tokens, **knobs
         )
     return routers
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What the proxy measured of a streamed request (perf_counter seconds): the backends that served it
+    (one, or the prefiller then the decoder of a split), its first token, and, when the stream completed,
+    its end and output tokens (0: not known; then only its TTFT is learnt)."""
+
+    backends: tuple[BackendState, ...]
+    first_token_s: float
+    finish_s: float = math.nan
+    output_tokens: int = 0
+    prefill_done_s: float = math.nan
 
 
 @dataclass(slots=True)
@@ -187,25 +202,33 @@ class Decider:
         if self.affinity is not None and backends:
             self.affinity.record(decision.request, decision.pool, decision.features, backends)
 
-    def learn(self, decision: Decision, backend: BackendState, ttft_s: float, e2e_s: float) -> None:
-        """Feed the measured TTFT of an aggregated request back to its router, if it learns (the cost
-        policy corrects its model with it, against the prediction it planned with)."""
+    def learn(self, decision: Decision, served: Served) -> None:
+        """Feed what a streamed request measured back to its router, if it learns, by the one outcome
+        rule the simulator uses (`scoring/outcome.py`): each leg credited to the backend that did it,
+        against the prediction the plan was made with."""
         router = self.routers[decision.request.model]
         if not router.learns:
             return
-        row = decision.pool.backends.index(backend)
-        outcome = Outcome(
-            backend_id=backend.id,
-            mode=Mode.AGGREGATED,
+        prefiller, decoder = served.backends[0], served.backends[-1]
+        split = len(served.backends) > 1
+        row = decision.pool.backends.index(prefiller)
+        measured = Measured(
+            mode=Mode.PD if split else Mode.AGGREGATED,
+            backend_id=decoder.id,
             prompt_tokens=decision.features.prompt_tokens,
             cached_tokens=0 if decision.cached is None else int(decision.cached[row]),
-            output_tokens=0,
-            ttft_s=ttft_s,
-            e2e_s=e2e_s,
-            predicted=decision.plan.predicted,
+            output_tokens=served.output_tokens,
+            start_s=decision.started,
+            first_token_s=served.first_token_s,
+            finish_s=served.finish_s if served.output_tokens else served.first_token_s,
+            prefill_backend_id=prefiller.id if split else "",
+            prefill_done_s=served.prefill_done_s if split else math.nan,
         )
-        router.observe(outcome)
-        self.metrics.cost_model_error.labels(backend.id).set(router.correction(backend.id))
+        for outcome in outcomes_of(measured, decision.plan.predicted):
+            router.observe(outcome)
+            backend = outcome.backend_id
+            self.metrics.cost_model_error.labels(backend).set(router.correction(backend))
+            self.metrics.cost_model_tpot_error.labels(backend).set(router.tpot_correction(backend))
 
     async def _features(
         self, request: ParsedRequest, pool: ModelPool, headers: dict[bytes, bytes]

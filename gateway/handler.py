@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import math
 import os
 import re
 import time
@@ -28,7 +29,7 @@ from typing import Any
 import orjson
 
 from gateway.admission import Admission
-from gateway.decision import Decider, Decision, SloOverride
+from gateway.decision import Decider, Decision, Served, SloOverride
 from gateway.decision import slo_override as _slo_override
 from gateway.errors import BadRequest, BodyTooLarge, GatewayError, Unauthorized, UpstreamFailed
 from gateway.metrics import GatewayMetrics
@@ -206,10 +207,18 @@ class CompletionHandler:
         self._after(ex, decision)
 
     def _after(self, ex: Exchange, decision: Decision) -> None:
-        """What the request taught: the prefix its backends now hold, and (streamed, aggregated) its TTFT."""
+        """What the request taught: the prefix its backends now hold, and (streamed) its times."""
         self.decider.served(decision, ex.served)
-        if ex.ttft_s and ex.mode == "aggregated" and ex.served:
-            self.decider.learn(decision, ex.served[0], ex.ttft_s, time.perf_counter() - ex.started)
+        if ex.ttft_s and ex.served:
+            completed = ex.finished_s > 0 and ex.events > 2  # [DONE] and at least two tokens
+            served = Served(
+                tuple(ex.served),
+                ex.started + ex.ttft_s,
+                ex.finished_s if completed else math.nan,
+                ex.events - 1 if completed else 0,
+                ex.prefill_done_s or math.nan,
+            )
+            self.decider.learn(decision, served)
 
     async def _fail(self, ex: Exchange, send: Send, error: GatewayError) -> None:
         self.metrics.requests.labels(ex.request.model, ex.mode, str(error.status)).inc()

@@ -145,6 +145,13 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.cost_model_tpot_error = Gauge(
+            "hetgate:cost_model_tpot_error",
+            "Measured over predicted TPOT per backend, as the cost policy learnt it (its SLO check uses it)",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.client_disconnects = Counter(
             "hetgate:client_disconnects", "Requests cancelled by the client", ["model"], registry=r
         )

@@ -75,6 +75,9 @@ class Exchange:
     mode: str = "aggregated"
     responded: bool = False  # True once the status line went out: errors must then travel in-band
     ttft_s: float = 0.0  # streamed responses: time to the first chunk sent to the client
+    prefill_done_s: float = 0.0  # split: when the prefill leg's result came (perf_counter)
+    finished_s: float = 0.0  # streamed responses: when the last event went out, if the stream completed
+    events: int = 0  # SSE data events of a completed stream, [DONE] included
     reservations: list[Reservation] = field(default_factory=list)
 
     def release_all(self) -> None:
@@ -188,6 +191,7 @@ class Proxy:
         if leg.response.status != 200:
             self._note_failure(leg.backend, LegFailed("status", False, leg.response.status))
             raise UpstreamFailed("The prefill leg failed.")
+        ex.prefill_done_s = time.perf_counter()
         return _prefilled(leg.backend, raw)
 
     async def _fall_back(self, ex: Exchange, order: Sequence[BackendState], send: Send, why: str) -> None:
@@ -344,6 +348,7 @@ class Proxy:
                 await chunks.aclose()
         if failure is None:
             self.registry.record_success(leg.backend)
+            ex.finished_s, ex.events = time.perf_counter(), events
         else:
             # The partial event (cutter.partial) is dropped: the error starts on an event boundary.
             self._note_failure(leg.backend, failure)

@@ -44,9 +44,11 @@ only: (measured TTFT - the queue wait predicted at plan time) / the compute pred
 credited to the backend that prefilled (the prefill leg of a split is measured on its own), weighted by
 the compute's share of the prediction (which keeps it stable when the queue dominates). t_pd corrects
 the transfer per (prefill, decode) pair from the decode leg's time to first token. Each moves by
-`learning_rate` of its relative error, clipped to [0.1, 10]. Measured TPOT is not learnt from: it mixes
-the decode step with the prefill chunks of later requests (tried: it drove the decode factors to the
-clip limits and sent decodes to the compute-rich backend).
+`learning_rate` of its relative error, clipped to [0.1, 10]. A TPOT correction per backend (measured
+over predicted TPOT of the legs that decoded there, clipped to [0.5, 4]) carries what no prediction at
+plan time sees: the prefill chunks of requests that arrive while a request decodes. It scales TPOT only
+in the SLO check, not in the price or the finish time (there it made fast decoders look slow, and an
+earlier version that scaled the decode step itself drove the factors to the clip limits).
 
 Ties keep a rotating order, so identical backends share the load.
 """
@@ -82,6 +84,7 @@ from scoring.types import (
 )
 
 _CLIP = (0.1, 10.0)
+_TPOT_CLIP = (0.5, 4.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,7 @@ class _Cluster:
     fastest_decode: ScalarStepTime  # the backend with the most memory bandwidth, alone
     rows: dict[str, int]  # backend id -> row
     compute_factor: np.ndarray
+    tpot_factor: np.ndarray  # measured over predicted TPOT (the SLO check's correction)
     pair_factor: np.ndarray  # [p, d]
 
     def set_pair_factor(self, pair: tuple[str, str], value: float) -> None:
@@ -161,6 +165,8 @@ class CostRanker(SimpleRanker):
         self._correction: dict[str, float] = {}  # compute (prefill and queue) per backend
         self._compute_prior = 1.0  # for a backend not measured yet: the others' geometric mean
         self._pair_correction: dict[tuple[str, str], float] = {}
+        self._tpot_correction: dict[str, float] = {}
+        self._tpot_prior = 1.0
 
     # --- pricing ---------------------------------------------------------------------------------------
     def _price(
@@ -260,7 +266,7 @@ class CostRanker(SimpleRanker):
         out = max(request.max_tokens, 1)
         order = self._rotate(np.flatnonzero(agg_mask))
         agg_ttft = p.wait + p.compute
-        agg_ok = (agg_ttft <= slo_ttft) & (p.tpot <= slo_tpot) & p.kv_ok
+        agg_ok = (agg_ttft <= slo_ttft) & (p.tpot * cl.tpot_factor <= slo_tpot) & p.kv_ok
         prefill_harm, decode_harm = self._harm(p, out, (slo_ttft, slo_tpot))
         harm = prefill_harm + decode_harm
         agg_finish = agg_ttft + out * p.tpot + harm
@@ -326,7 +332,7 @@ class CostRanker(SimpleRanker):
         # Each side's part of a pair's time and cost, then the [prefill, decode] matrices.
         ready = (p.wait + p.compute)[prefill_rows][:, None]
         prefill_cost = (cl.price * p.compute + harms[0])[prefill_rows][:, None]
-        tpot = p.tpot[decode_rows][None, :]
+        tpot = (p.tpot * cl.tpot_factor)[decode_rows][None, :]
         decode_time = (p.first_step + out * p.tpot + harms[1])[decode_rows][None, :]
         decode_cost = (cl.price * p.decode_cost + harms[1])[decode_rows][None, :]
         ttft = ready + transfer + p.first_step[decode_rows][None, :]
@@ -366,6 +372,8 @@ class CostRanker(SimpleRanker):
             if k is not None:
                 self._correction[backend] = k
                 self._refresh_compute_factors()
+        if outcome.leg is not Leg.PREFILL and outcome.tpot_s > 0 and pred.tpot_s > 0:
+            self._learn_tpot(outcome.backend_id, outcome.tpot_s, pred.tpot_s)
         if outcome.leg is Leg.DECODE:
             first_step = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
             pair = (outcome.peer_id, outcome.backend_id)
@@ -374,6 +382,26 @@ class CostRanker(SimpleRanker):
                 self._pair_correction[pair] = t
                 for cl in self._clusters.values():  # the arrays the pricing reads
                     cl.set_pair_factor(pair, t)
+
+    def _learn_tpot(self, backend: str, measured: float, predicted: float) -> None:
+        """Move a backend's TPOT correction by `learning_rate` of the relative error of its corrected
+        prediction. The measured TPOT includes the prefill chunks of requests that arrived while this
+        one decoded, which no prediction at plan time sees: the correction carries that on average,
+        per backend (the one that prefills most stretches its decodes most). It scales TPOT only where
+        the SLO is checked: in the price and the finish time it made the fast decoders look slow and
+        moved decodes to worse ones (B200 + 2x H100 bursts: 20.6 -> 10.8 requests/s SLO capacity)."""
+        old = self.tpot_correction(backend)
+        step = 1.0 + self.learning_rate * (measured / (predicted * old) - 1.0)
+        self._tpot_correction[backend] = float(np.clip(old * max(step, 0.5), *_TPOT_CLIP))
+        values = np.fromiter(self._tpot_correction.values(), dtype=float)
+        self._tpot_prior = float(np.exp(np.log(values).mean()))
+        for cl in self._clusters.values():
+            cl.tpot_factor[:] = [self.tpot_correction(x.id) for x in cl.specs]
+
+    def tpot_correction(self, backend_id: str) -> float:
+        """Measured over predicted TPOT of one backend; an unmeasured one takes the others' geometric
+        mean, as for compute."""
+        return self._tpot_correction.get(backend_id, self._tpot_prior)
 
     def _learn(self, old: float, measured: float, part: float, rest: float) -> float | None:
         """Correct `part` (the predicted seconds this correction scales) from a measurement of
@@ -430,6 +458,7 @@ class CostRanker(SimpleRanker):
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.mem_bw))), self.efficiency),
                 {s.id: i for i, s in enumerate(specs)},
                 np.array([self.correction(s.id) for s in specs]),
+                np.array([self.tpot_correction(s.id) for s in specs]),
                 np.array([[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]),
             )
             self._clusters[key] = cl

@@ -62,6 +62,8 @@ class Ranker(Protocol):
 
     def correction(self, backend_id: str) -> float: ...
 
+    def tpot_correction(self, backend_id: str) -> float: ...
+
 
 @dataclass(frozen=True, slots=True)
 class SplitSettings:
@@ -109,6 +111,9 @@ class SimpleRanker:
         """Nothing to learn."""
 
     def correction(self, backend_id: str) -> float:
+        return 1.0
+
+    def tpot_correction(self, backend_id: str) -> float:
         return 1.0
 
 
@@ -205,6 +210,9 @@ class PlanningRouter:
 
     def correction(self, backend_id: str) -> float:
         return self.ranker.correction(backend_id)
+
+    def tpot_correction(self, backend_id: str) -> float:
+        return self.ranker.tpot_correction(backend_id)
 
 
 def build_ranker(policy: str, **knobs: Any) -> Ranker:

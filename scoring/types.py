@@ -198,6 +198,10 @@ class Router(Protocol):
         """What it learnt of one backend: measured over predicted compute time (1.0: nothing)."""
         ...
 
+    def tpot_correction(self, backend_id: str) -> float:
+        """What it learnt of one backend: measured over predicted TPOT (1.0: nothing)."""
+        ...
+
 
 class Leg(enum.StrEnum):
     AGGREGATED = "aggregated"

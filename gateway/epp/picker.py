@@ -32,7 +32,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import Counter
 
 from gateway.config import GatewayConfig
-from gateway.decision import Decider, Decision, slo_override
+from gateway.decision import Decider, Decision, Served, slo_override
 from gateway.epp import protocol
 from gateway.epp.pd import PrefillRunner, decode_body, fallback_error
 from gateway.errors import BodyTooLarge, GatewayError, ModelNotFound, NoBackend
@@ -325,8 +325,7 @@ class Turn:
             return
         if self.holding is not None:
             self.holding.prefill_done()
-        elapsed = time.perf_counter() - self.decision.started
-        self.picker.decider.learn(self.decision, self.timing, elapsed, elapsed)
+        self.picker.decider.learn(self.decision, Served((self.timing,), time.perf_counter()))
         self.picker.calibrations.labels(self.timing.id).inc()
         self.timing = None
 

@@ -344,3 +344,55 @@ def test_an_idle_backend_is_not_dearer_than_a_busy_one_without_a_split(llama):
         assert plan.aggregated[0] == 1
     auto = build_router("cost", model=llama, disaggregation="auto").plan(request, candidates)
     assert auto.aggregated[0] == 0
+
+
+# --- the TPOT correction --------------------------------------------------------------------------------
+def decode_outcomes(ranker: CostRanker, backend: str, truth: float, rounds: int, leg: Leg = Leg.AGGREGATED):
+    """Outcomes whose measured TPOT is `truth` times the (uncorrected) prediction, as plans carry it."""
+    for _ in range(rounds):
+        pred = Prediction(wait_s=0.0, compute_s=0.5, ttft_s=0.5, tpot_s=0.02)
+        ranker.observe(
+            Outcome(
+                backend, Mode.AGGREGATED, 8000, 0, 64, 0.5, 2.0, leg=leg, predicted=pred, tpot_s=0.02 * truth
+            )
+        )
+
+
+@pytest.mark.parametrize("truth", [0.6, 1.0, 2.5])
+def test_tpot_correction_converges_to_measured_over_predicted(deepseek, truth):
+    ranker = CostRanker(deepseek)
+    decode_outcomes(ranker, "mi300x-0", truth, 200)
+    assert ranker.tpot_correction("mi300x-0") == pytest.approx(truth, rel=0.02)
+    assert ranker.tpot_correction("mi308x-0") == pytest.approx(truth, rel=0.02)  # unmeasured: the mean
+    assert ranker.correction("mi300x-0") == pytest.approx(1.0)  # TPOT does not move the compute part
+
+
+def test_a_prefill_leg_teaches_no_tpot(deepseek):
+    ranker = CostRanker(deepseek)
+    decode_outcomes(ranker, "mi300x-0", 3.0, 50, leg=Leg.PREFILL)
+    assert ranker.tpot_correction("mi300x-0") == 1.0
+
+
+def test_a_slow_decoder_fails_the_tpot_check_but_keeps_its_price(deepseek):
+    """Two alike backends under a TPOT target both meet: once one is measured 3x slower than predicted
+    at decode, its plans miss the target and the other serves; its price and finish are unchanged."""
+    specs = (
+        BackendSpec("mi300x-0", "m", "mi300x", 8, BOTH),
+        BackendSpec("mi300x-1", "m", "mi300x", 8, BOTH),
+    )
+    candidates = Candidates.build(specs, IDLE, np.zeros(2, dtype=np.int64))
+    router = build_router("cost", model=deepseek)
+    ranker = router.ranker
+    assert isinstance(ranker, CostRanker)
+    request = RequestFeatures("m", prompt_tokens=1000, max_tokens=64)
+    tpot = ranker._price(request, candidates, ranker._cluster(specs)).tpot
+    slow = RequestFeatures(
+        "m", prompt_tokens=1000, max_tokens=64, slo_ttft_s=10.0, slo_tpot_s=2 * float(tpot[0])
+    )
+    first = {router.plan(slow, candidates).aggregated[0] for _ in range(4)}
+    assert first == {0, 1}  # alike: the rotation shares them
+    decode_outcomes(ranker, "mi300x-0", 3.0, 200)
+    decode_outcomes(ranker, "mi300x-1", 1.0, 200)
+    assert {router.plan(slow, candidates).aggregated[0] for _ in range(4)} == {1}
+    after = ranker._price(request, candidates, ranker._cluster(specs)).tpot
+    assert after == pytest.approx(tpot)

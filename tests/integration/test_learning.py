@@ -1,0 +1,53 @@
+"""What the gateway learns from finished requests: the one outcome rule (`scoring/outcome.py`) the simulator
+uses too, each leg credited to the backend that did it, published as `hetgate:cost_model_*` per backend."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.integration.conftest import backend, chat_body, config, metric
+
+
+def cost_gateway(sim, gateway, split: bool):
+    if split:
+        p, d = sim(role="prefill"), sim(role="decode")
+        backends = [
+            backend(p, "p", ("prefill",), kv_connector="nixl"),
+            backend(d, "d", ("decode",), kv_connector="nixl"),
+        ]
+    else:
+        backends = [backend(sim(), "b")]
+    cfg = config(backends, routing={"policy": "cost", "disaggregation": "always" if split else "never"})
+    cfg["models"][0]["spec"] = "deepseek-r1"
+    return gateway(cfg)
+
+
+def stream(url: str, n: int = 3) -> list[str]:
+    routes = []
+    for _ in range(n):
+        body = chat_body("a prompt of some length " * 30, max_tokens=6, stream=True)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=15) as response:
+            assert response.status_code == 200
+            assert b"".join(response.iter_raw()).rstrip().endswith(b"data: [DONE]")
+            routes.append(response.headers["x-hetgate-route"])
+    return routes
+
+
+def test_a_split_stream_teaches_each_leg_to_its_backend(sim, gateway):
+    gw = cost_gateway(sim, gateway, split=True)
+    assert stream(gw.url) == ["mode=pd; prefill=p; decode=d"] * 3
+    # The prefill leg corrects the prefiller's compute, the decode leg the decoder's TPOT (1.0: nothing
+    # learnt; 0: never published). Before, a split taught the gateway nothing.
+    assert metric(gw.url, "hetgate:cost_model_error", backend="p") not in (0.0, 1.0)
+    assert metric(gw.url, "hetgate:cost_model_tpot_error", backend="d") not in (0.0, 1.0)
+
+
+def test_an_aggregated_stream_teaches_compute_and_tpot_and_a_plain_reply_nothing(sim, gateway):
+    gw = cost_gateway(sim, gateway, split=False)
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("words " * 30, max_tokens=6), timeout=15)
+    assert r.status_code == 200
+    # Not streamed: no first-token time, nothing learnt, nothing published.
+    assert metric(gw.url, "hetgate:cost_model_error", backend="b") == 0.0
+    assert stream(gw.url) == ["mode=aggregated; backend=b"] * 3
+    assert metric(gw.url, "hetgate:cost_model_error", backend="b") not in (0.0, 1.0)
+    assert metric(gw.url, "hetgate:cost_model_tpot_error", backend="b") not in (0.0, 1.0)
