@@ -14,6 +14,7 @@ import pytest
 
 from bench.harness import free_port
 from bench.sim.simple_engine import SimpleEngineConfig
+from tests.faults.raw_backend import RawBackend, chat_completion, json_reply
 from tests.integration.conftest import MODEL, backend, chat_body, config, metric
 
 SLOW = SimpleEngineConfig(ttft_base_s=0.002, prefill_token_s=0.00001, tpot_s=0.05)
@@ -279,6 +280,39 @@ def test_failed_prefill_without_fallback_is_502(sim, epp, envoy):
     assert response.status_code == 502
     assert response.json()["error"]["type"] == "BadGatewayError"
     assert metric(decode.url, "vllm:request_success_total") == 0
+
+
+@pytest.mark.parametrize("fallback", ["aggregated", "fail"])
+def test_nixl_prefill_without_transfer_params_is_a_named_fallback(sim, epp, envoy, fallback):
+    """As in `serve` (tests/faults/test_pd_legs.py): a decode pod without the prefiller's KV handle would
+    recompute the whole prompt, so that is a fallback, named, never a P/D route."""
+    prefiller = RawBackend(json_reply(chat_completion()))  # a 200 without kv_transfer_params
+    decode = sim(role="decode")
+    try:
+        prefill = {**backend(decode, "p", ("prefill",), kv_connector="nixl"), "url": prefiller.url}
+        cfg = config(
+            [prefill, backend(decode, "d", ("decode",), kv_connector="nixl")],
+            routing={"disaggregation": "always", "pd_fallback": fallback},
+            health=QUIET_HEALTH,
+        )
+        picker = epp(cfg)
+        proxy = envoy(picker.grpc_port, [decode.url])
+        response = post(proxy.url)
+        # The prefill leg asked for a transfer (NIXL's block): the prefiller was a real P/D leg.
+        assert prefiller.requests[0].json()["kv_transfer_params"]["do_remote_decode"] is True
+    finally:
+        prefiller.stop()
+    fallbacks = metric(picker.metrics_url, "hetgate:pd_fallbacks_total", to=fallback, reason="no_kv_params")
+    assert fallbacks == 1
+    assert metric(picker.metrics_url, "hetgate:route_decisions_total", mode="pd", reason="executed") == 0
+    if fallback == "fail":
+        assert response.status_code == 502
+        assert "no_kv_params" in response.json()["error"]["message"]
+        assert metric(decode.url, "vllm:request_success_total") == 0
+        return
+    assert response.status_code == 200
+    assert response.headers["x-hetgate-route"] == "mode=aggregated; backend=d; fallback=no_kv_params"
+    assert response.json()["usage"]["completion_tokens"] == 8
 
 
 def test_failed_prefill_attempt_is_retried_on_the_next_prefill_backend(sim, epp, envoy):
