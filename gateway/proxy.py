@@ -255,12 +255,10 @@ class Proxy:
         raise _final_error(last)
 
     async def _check_decode(self, ex: Exchange, leg: Leg) -> None:
-        """A decode leg that fails before the client saw a byte moves on to the next decode backend: a 5xx,
-        a reply that breaks while it is read (client not streaming), a stream that ends or breaks before
-        its first byte."""
-        if leg.response.status >= 500:
-            await self.upstream.discard(leg)
-            raise LegFailed("status", retryable=True, status=leg.response.status)
+        """A decode leg that fails before the client saw a byte moves on to the next decode backend: a
+        reply that breaks while it is read (client not streaming), a stream that ends or breaks before
+        its first byte. (A 5xx never gets here: Upstream.open raises it, gateway/retry.py
+        `failing_statuses`.)"""
         try:
             if not ex.request.stream:
                 leg.body = await self.upstream.read(leg)
