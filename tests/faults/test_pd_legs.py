@@ -211,3 +211,25 @@ def test_decode_stream_that_dies_before_its_first_byte_is_retried(sim, gateway):
         assert metric(gw.url, "hetgate:upstream_errors_total", backend="dying", kind="payload") >= 1
     finally:
         dying.stop()
+
+
+def test_the_prefill_leg_asks_for_one_token_and_no_stream(sim, gateway):  # noqa: F811
+    """The prefill leg computes the prompt and nothing more: non-streamed, max_tokens (and
+    max_completion_tokens) 1, without the stream's own options; the decode leg gets the client's request."""
+    prefiller = RawBackend(json_reply(chat_completion()))
+    decode = sim(role="decode")
+    try:
+        prefill = {**backend(decode, "p", ("prefill",), kv_connector="shared-storage"), "url": prefiller.url}
+        gw = gateway(pd_config([prefill, backend(decode, "d", ("decode",), kv_connector="shared-storage")]))
+        fields = {"max_completion_tokens": 8, "min_tokens": 2, "stream_options": {"include_usage": True}}
+        r = post(gw, stream=True, **fields)
+        assert r.status_code == 200
+        assert r.headers["x-hetgate-route"] == "mode=pd; prefill=p; decode=d"
+        assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
+        leg = prefiller.requests[0].json()
+    finally:
+        prefiller.stop()
+    assert (leg["stream"], leg["max_tokens"], leg["max_completion_tokens"]) == (False, 1, 1)
+    assert not {"stream_options", "min_tokens", "kv_transfer_params"} & set(leg)
+    assert leg["messages"] == chat_body(PROMPT)["messages"]
+    assert metric(decode.url, "vllm:generation_tokens_total") == 8  # the client's max_tokens, decoded
