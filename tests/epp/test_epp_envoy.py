@@ -372,24 +372,32 @@ def test_epp_down(sim, epp, envoy, allow):
         assert response.status_code >= 500
 
 
-def load(url: str, stop: threading.Event) -> list[int]:
-    statuses = []
+def load(url: str, stop: threading.Event, statuses: list[int]) -> None:
     with httpx.Client(timeout=15) as session:
         while not stop.is_set():
             statuses.append(session.post(f"{url}/v1/chat/completions", json=chat_body()).status_code)
-    return statuses
 
 
 def restart_under_load(proxy, picker) -> Counter[int]:  # type: ignore[no-untyped-def]
     stop = threading.Event()
+    statuses: list[int] = []  # appended by 4 client threads (list.append is atomic)
+
+    def answered(count: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(statuses) < count:
+            assert time.monotonic() < deadline, f"{len(statuses)} of {count} requests answered"
+            time.sleep(0.02)
+
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(load, proxy.url, stop) for _ in range(4)]
-        time.sleep(0.5)
+        futures = [pool.submit(load, proxy.url, stop, statuses) for _ in range(4)]
+        answered(4)  # traffic flows before the kill...
         picker.stop(hard=True)  # killed mid-traffic
         picker.start()  # same ports: Envoy reconnects by itself
-        time.sleep(0.5)
+        answered(len(statuses) + 8)  # ...and after the restart
         stop.set()
-        return Counter(s for f in futures for s in f.result())
+        for future in futures:
+            future.result()
+    return Counter(statuses)
 
 
 def test_epp_restart_under_load_fail_open_loses_no_request(sim, epp, envoy):
