@@ -116,6 +116,38 @@ def test_ranked_fallbacks_take_over_from_a_dead_endpoint(sim, epp, envoy):
     assert metric(picker.metrics_url, "hetgate:requests_total", status="200") == 4
 
 
+def test_a_fallen_back_request_counts_on_the_endpoint_that_serves_it(sim, epp, envoy):
+    """Envoy went down the list past a dead endpoint: the EPP moves the request's reservation to the one
+    that answered. It matters while the EPP still follows the reply: a sampled stream (the EPP times its
+    first chunk), whose reservation lasts until the stream ends."""
+    alive = sim(simple_engine=SLOW)
+    dead = {**backend(alive, "dead"), "url": dead_url()}
+    cfg = config([dead, backend(alive, "alive")], routing={"policy": "cost"}, health=QUIET_HEALTH)
+    cfg["models"][0]["spec"] = "deepseek-r1"
+    picker = epp(cfg, "--calibrate-every", "1")
+    proxy = envoy(picker.grpc_port, [cfg["backends"][0]["url"], alive.url], full_duplex=False)
+    retries = "cluster.pool.upstream_rq_retry"
+    fallen_back = 0
+    for _ in range(4):
+        before = proxy.stats(retries)[retries]
+        body = chat_body(max_tokens=40, stream=True)  # ~2 s of tokens: in flight while we look
+        with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=15) as response:
+            assert response.headers["x-hetgate-route"] == "mode=aggregated; backend=alive"
+            chunks = response.iter_raw()
+            next(chunks)
+            counts = {
+                name: metric(picker.metrics_url, "hetgate:backend_in_flight", backend=name)
+                for name in ("dead", "alive")
+            }
+            for _chunk in chunks:
+                pass
+        if proxy.stats(retries)[retries] > before:  # Envoy tried the dead endpoint first
+            fallen_back += 1
+            assert counts == {"dead": 0, "alive": 1}
+    assert fallen_back >= 1
+    assert metric(picker.metrics_url, "hetgate:epp_ttft_samples_total", backend="alive") == 4
+
+
 def subset_filter(endpoints: list[str]) -> str:
     """A set_metadata filter before the EPP: the gateway's subset hint, as the protocol places it."""
     values = ", ".join(f'"{e}"' for e in endpoints)
