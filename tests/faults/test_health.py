@@ -170,13 +170,15 @@ def test_overload_503s_are_backpressure_not_ill_health(sim, gateway):
 def test_a_backend_that_answered_503_is_tried_last_while_it_cools_down(sim, gateway, cooldown_s, retries):
     busy, free = sim(), sim()
     busy.set_faults({"error_status": 503})
-    gw = gateway(
-        config([backend(busy, "busy"), backend(free, "free")], health={"backpressure_cooldown_s": cooldown_s})
-    )
+    # Two failures would eject a backend: its 503s, served by a peer, must not count as failures.
+    outlier = {"consecutive_gateway_failure": 2, "consecutive_5xx": 2}
+    health = {"backpressure_cooldown_s": cooldown_s, "outlier": outlier}
+    gw = gateway(config([backend(busy, "busy"), backend(free, "free")], health=health))
     statuses = [post(gw).status_code for _ in range(6)]  # round robin puts "busy" first every other time
     assert statuses == [200] * 6
     assert metric(gw.url, "hetgate:retries_total") == retries  # cooling: only the first request met it
     assert metric(gw.url, "hetgate:backend_ejections_total") == 0
+    assert healthy(gw, "busy") == 1
 
 
 @pytest.mark.parametrize(("panic_threshold_percent", "served"), [(50, 200), (0, 503)])
