@@ -330,6 +330,8 @@ class Proxy:
                 await send({"type": "http.response.body", "body": whole, "more_body": True})
                 if cutter.done:
                     break
+                if cutter.overflowed:
+                    raise EventTooLarge
             if not cutter.done:
                 failure = LegFailed("truncated", retryable=False)
         except EventTooLarge:

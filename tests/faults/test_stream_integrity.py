@@ -89,6 +89,22 @@ def test_events_split_across_chunks_arrive_whole(gateway):  # noqa: F811
     assert stream_through(gateway, script) == EVENT + EVENT + DONE
 
 
+def test_an_event_over_the_size_limit_ends_the_stream_in_band(gateway):  # noqa: F811
+    """A backend event that grows past limits.max_response_bytes without ending is not buffered on: the
+    client gets the events before it, then the error and [DONE]."""
+    huge = b'data: {"id":"e","choices":[{"delta":{"content":"' + b"x" * 40_000
+    server = RawBackend(sse_reply(EVENT, huge[:20_000], huge[20_000:]))
+    try:
+        gw = gateway(config([raw(server)], limits={"max_response_bytes": 16384}))
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(stream=True), timeout=10)
+    finally:
+        server.stop()
+    assert r.status_code == 200
+    events = assert_well_formed(r.content)
+    assert len(events) == 3 and events[0] + b"\n\n" == EVENT
+    assert "max_response_bytes" in orjson.loads(events[1][6:])["error"]["message"]
+
+
 def test_pd_stream_cut_by_the_decode_backend_ends_cleanly(sim, gateway):  # noqa: F811
     prefill, decode = sim(role="prefill"), sim(role="decode")
     decode.set_faults({"close_after_chunks": 3})
