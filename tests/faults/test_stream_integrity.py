@@ -4,6 +4,7 @@ that ends without [DONE] is reported in band, never passed on as complete."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import httpx
@@ -74,6 +75,28 @@ def test_nothing_is_sent_after_done(gateway):  # noqa: F811
         gateway, sse_reply(EVENT, DONE + b'data: {"late": 1}\n\n', b'data: {"later": 2}\n\n')
     )
     assert body == EVENT + DONE
+
+
+def test_the_reply_ends_at_done_even_if_the_backend_keeps_the_stream_open(gateway):  # noqa: F811
+    """[DONE] ends the client's reply at once: a backend that leaves its stream open after it is not
+    waited for (its idle timeout would otherwise land an error after [DONE])."""
+    release = threading.Event()
+
+    def script(conn: socket.socket, _request: RawRequest) -> None:
+        conn.sendall(
+            response_head(200, {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked"})
+        )
+        conn.sendall(chunked(EVENT + DONE))
+        release.wait(30)  # open, silent, until the test is over
+
+    server = RawBackend(script)
+    try:
+        gw = gateway(config([raw(server)], timeouts={"idle_s": 1.0}))
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(stream=True), timeout=10)
+        assert r.content == EVENT + DONE
+    finally:
+        release.set()
+        server.stop()
 
 
 def test_events_split_across_chunks_arrive_whole(gateway):  # noqa: F811
