@@ -366,6 +366,44 @@ def test_failed_prefill_attempt_is_retried_on_the_next_prefill_backend(sim, epp,
     assert metric(picker.metrics_url, "hetgate:pd_fallbacks_total") == 0
 
 
+def test_a_failed_prefill_attempt_counts_on_its_backend_until_the_request_ends(sim, epp, envoy):
+    """As in `serve` (tests/faults/test_inflight_accounting.py): the prefiller that refused the leg keeps
+    the request's reservation while the decode runs, then gives it back."""
+    dead, prefill, decode = sim(role="prefill"), sim(role="prefill"), sim(role="decode", simple_engine=SLOW)
+    backends = [
+        backend(dead, "p0", ("prefill",), kv_connector="nixl"),
+        backend(prefill, "p1", ("prefill",), kv_connector="nixl"),
+        backend(decode, "d", ("decode",), kv_connector="nixl"),
+    ]
+    dead.stop()
+    picker = epp(config(backends, routing={"disaggregation": "always"}, health=QUIET_HEALTH))
+    proxy = envoy(picker.grpc_port, [prefill.url, decode.url])
+
+    def in_flight(name: str) -> float:
+        return metric(picker.metrics_url, "hetgate:backend_in_flight", backend=name)
+
+    seen: dict[str, float] = {}
+    for _ in range(2):  # round robin puts the dead prefiller first for one of the two
+        replies: list[httpx.Response] = []
+        body = chat_body(max_tokens=40)  # ~2 s of decoding, not streamed: the EPP holds it until the end
+        request = threading.Thread(target=lambda r=replies, b=body: r.append(post(proxy.url, b)))
+        request.start()
+        deadline = time.monotonic() + 10
+        while request.is_alive() and not seen:
+            failed = metric(picker.metrics_url, "hetgate:upstream_errors_total", backend="p0")
+            if failed and in_flight("d") == 1:
+                seen = {name: in_flight(name) for name in ("p0", "p1", "d")}
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        request.join()
+        assert replies[0].headers["x-hetgate-route"] == "mode=pd; prefill=p1; decode=d"
+    assert seen == {"p0": 1, "p1": 0, "d": 1}  # p1's leg is over; p0's failed try still counts
+    deadline = time.monotonic() + 10
+    while metric(picker.metrics_url, "hetgate:backend_in_flight") > 0:
+        assert time.monotonic() < deadline, "a reservation was never released"
+        time.sleep(0.05)
+
+
 def test_every_reservation_is_released(sim, epp, envoy):
     proxy, picker, prefill, _ = pd_pool(sim, epp, envoy)
     assert post(proxy.url).status_code == 200  # P/D: a prefill leg in the EPP, the decode via Envoy
