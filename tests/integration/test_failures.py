@@ -102,6 +102,25 @@ def test_connection_refused_is_retried_elsewhere(sim, gateway):
     assert metric(gw.url, "hetgate:upstream_errors_total", backend="dead", kind="connect") >= 1
 
 
+def test_with_the_retry_budget_spent_only_refused_connections_are_retried(sim, gateway):
+    """A refused connection cost no backend any work, so its retry takes no budget (gateway/retry.py);
+    a 500's retry does, and with none left the backend's answer is relayed."""
+    none_left = {"budget_percent": 0, "min_retry_concurrency": 0}
+    good = sim()
+    dead = {"id": "dead", "url": "http://127.0.0.1:9", "model": MODEL, "accelerator": "h100-sxm"}
+    gw = gateway(config([dead, backend(good, "good")], retry=none_left, health={"interval_s": 60}))
+    assert [post(gw, chat_body()).status_code for _ in range(4)] == [200] * 4
+    assert metric(gw.url, "hetgate:retries_total") == 2  # round robin put `dead` first twice
+    assert metric(gw.url, "hetgate:retry_budget_exhausted_total") == 0
+
+    bad = sim()
+    bad.set_faults({"error_status": 500})
+    gw = gateway(config([backend(bad, "bad"), backend(good, "good")], retry=none_left))
+    assert sorted(post(gw, chat_body()).status_code for _ in range(4)) == [200, 200, 500, 500]
+    assert metric(gw.url, "hetgate:retries_total") == 0
+    assert metric(gw.url, "hetgate:retry_budget_exhausted_total") == 2
+
+
 def test_all_backends_failing_gives_the_last_error(sim, gateway):
     a, b = sim(), sim()
     a.set_faults({"error_status": 503})
