@@ -259,12 +259,10 @@ class Proxy:
         raise _final_error(last)
 
     async def _check_decode(self, ex: Exchange, leg: Leg) -> None:
-        """A decode leg that fails before the client saw a byte moves on to the next decode backend: a 5xx,
-        a reply that breaks while it is read (client not streaming), a stream that ends or breaks before
-        its first byte."""
-        if leg.response.status >= 500:
-            await self.upstream.discard(leg)
-            raise LegFailed("status", retryable=True, status=leg.response.status)
+        """A decode leg that fails before the client saw a byte moves on to the next decode backend: a
+        reply that breaks while it is read (client not streaming), a stream that ends or breaks before
+        its first byte. (A 5xx never gets here: Upstream.open raises it, gateway/retry.py
+        `failing_statuses`.)"""
         try:
             if not ex.request.stream:
                 leg.body = await self.upstream.read(leg)
@@ -336,6 +334,8 @@ class Proxy:
                 await send({"type": "http.response.body", "body": whole, "more_body": True})
                 if cutter.done:
                     break
+                if cutter.overflowed:
+                    raise EventTooLarge
             if not cutter.done:
                 failure = LegFailed("truncated", retryable=False)
         except EventTooLarge:

@@ -29,11 +29,14 @@ class EventCutter:
         self.max_event_bytes = max_event_bytes
         self.partial = b""  # the start of an event whose end has not arrived
         self.done = False  # `data: [DONE]` went out: nothing else may
+        self.overflowed = False  # an event outgrew the limit: the events before it went out, then stop
 
     def feed(self, chunk: bytes) -> bytes:
         """The whole events completed by `chunk` (b"" when none); raises EventTooLarge."""
         if self.done:
             return b""
+        if self.overflowed:
+            raise EventTooLarge
         if self.partial:
             chunk = self.partial + chunk
             self.partial = b""
@@ -41,8 +44,13 @@ class EventCutter:
             cut = chunk.rfind(_BOUNDARY) + 2  # 1 when there is no boundary yet: then keep it all
             cut = cut if cut > 1 else 0
             if len(chunk) - cut > self.max_event_bytes:
-                raise EventTooLarge
-            chunk, self.partial = chunk[:cut], chunk[cut:]
+                if not cut:
+                    raise EventTooLarge
+                # The whole events that came with it are passed on; the caller then ends the stream.
+                self.overflowed = True
+                chunk = chunk[:cut]
+            else:
+                chunk, self.partial = chunk[:cut], chunk[cut:]
         if _ends_with_done(chunk):
             self.done = True
         elif _DONE in chunk:

@@ -177,10 +177,6 @@ class Upstream:
         finally:
             watchdog.cancel()
 
-    async def discard(self, leg: Leg) -> None:
-        """Read and drop an unusable response (a short, bounded read keeps the connection reusable)."""
-        await self._read_quietly(leg.response)
-
     @staticmethod
     async def _read_quietly(response: aiohttp.ClientResponse) -> bytes | None:
         try:

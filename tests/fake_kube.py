@@ -61,6 +61,7 @@ class FakeKubeApi:
         self.oldest = 100
         self.lists = 0
         self.watch_versions: list[int] = []  # the resourceVersion each watch resumed from
+        self.bookmarks: list[int] = []  # the resourceVersion of each BOOKMARK event sent
         self.unauthorized = 0
         self._loop = asyncio.new_event_loop()
         self._changed: asyncio.Condition | None = None
@@ -190,6 +191,7 @@ class FakeKubeApi:
                         sent = since
                         marker = {"kind": "Pod", "metadata": {"resourceVersion": str(since)}}
                         await _line(response, {"type": "BOOKMARK", "object": marker})
+                        self.bookmarks.append(since)
         return response
 
 

@@ -89,7 +89,8 @@ class PrefillRunner:
                 try:
                     leg = await self.upstream.open(backend, path, data, request_id)
                 except LegFailed as failure:
-                    reservation.release()  # this attempt is over: the backend no longer carries it
+                    # Its reservation stays until the request ends, as in `serve` (gateway/proxy.py): a
+                    # backend that fails fast must not look idle to the next request's ranking.
                     tries.failed(backend, failure)
                     if failure.retryable and tries.should_retry(failure, i + 1, len(order)):
                         continue

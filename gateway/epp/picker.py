@@ -238,19 +238,22 @@ class Turn:
                 self.reservations,
             )
         except GatewayError:
-            return self._fall_back(decision), _dumps(body) if renamed else None
+            return self._fall_back(decision, "prefill_failed"), _dumps(body) if renamed else None
+        if done.kv_transfer_params is None and done.backend.config.kv_connector == "nixl":
+            # The decode pod would recompute the whole prompt: say so instead of calling it P/D (as serve).
+            return self._fall_back(decision, "no_kv_params"), _dumps(body) if renamed else None
         self.mode, self.prefilled = "pd", done.backend
         self.picker.metrics.route_decisions.labels(request.model, "pd", "executed").inc()
         return decision.decode, decode_body(body, done)
 
-    def _fall_back(self, decision: Decision) -> list[BackendState]:
+    def _fall_back(self, decision: Decision, why: str) -> list[BackendState]:
         model = decision.request.model
         self._release_hold()
         if self.picker.config.routing.pd_fallback == "fail":
-            self.picker.metrics.fallbacks.labels(model, "fail", "prefill_failed").inc()
-            raise fallback_error("prefill_failed")
-        self.picker.metrics.fallbacks.labels(model, "aggregated", "prefill_failed").inc()
-        self.note = "; fallback=prefill_failed"
+            self.picker.metrics.fallbacks.labels(model, "fail", why).inc()
+            raise fallback_error(why)
+        self.picker.metrics.fallbacks.labels(model, "aggregated", why).inc()
+        self.note = f"; fallback={why}"
         self._hold(decision.aggregated[0], "aggregated")
         return decision.aggregated
 

@@ -14,6 +14,7 @@ import pytest
 
 from bench.harness import free_port
 from bench.sim.simple_engine import SimpleEngineConfig
+from tests.faults.raw_backend import RawBackend, chat_completion, json_reply
 from tests.integration.conftest import MODEL, backend, chat_body, config, metric
 
 SLOW = SimpleEngineConfig(ttft_base_s=0.002, prefill_token_s=0.00001, tpot_s=0.05)
@@ -113,6 +114,38 @@ def test_ranked_fallbacks_take_over_from_a_dead_endpoint(sim, epp, envoy):
     assert proxy.stats("cluster.pool.upstream_rq_retry")["cluster.pool.upstream_rq_retry"] >= 2
     # The EPP moved its in-flight count to what really served and saw all four succeed there.
     assert metric(picker.metrics_url, "hetgate:requests_total", status="200") == 4
+
+
+def test_a_fallen_back_request_counts_on_the_endpoint_that_serves_it(sim, epp, envoy):
+    """Envoy went down the list past a dead endpoint: the EPP moves the request's reservation to the one
+    that answered. It matters while the EPP still follows the reply: a sampled stream (the EPP times its
+    first chunk), whose reservation lasts until the stream ends."""
+    alive = sim(simple_engine=SLOW)
+    dead = {**backend(alive, "dead"), "url": dead_url()}
+    cfg = config([dead, backend(alive, "alive")], routing={"policy": "cost"}, health=QUIET_HEALTH)
+    cfg["models"][0]["spec"] = "deepseek-r1"
+    picker = epp(cfg, "--calibrate-every", "1")
+    proxy = envoy(picker.grpc_port, [cfg["backends"][0]["url"], alive.url], full_duplex=False)
+    retries = "cluster.pool.upstream_rq_retry"
+    fallen_back = 0
+    for _ in range(4):
+        before = proxy.stats(retries)[retries]
+        body = chat_body(max_tokens=40, stream=True)  # ~2 s of tokens: in flight while we look
+        with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=15) as response:
+            assert response.headers["x-hetgate-route"] == "mode=aggregated; backend=alive"
+            chunks = response.iter_raw()
+            next(chunks)
+            counts = {
+                name: metric(picker.metrics_url, "hetgate:backend_in_flight", backend=name)
+                for name in ("dead", "alive")
+            }
+            for _chunk in chunks:
+                pass
+        if proxy.stats(retries)[retries] > before:  # Envoy tried the dead endpoint first
+            fallen_back += 1
+            assert counts == {"dead": 0, "alive": 1}
+    assert fallen_back >= 1
+    assert metric(picker.metrics_url, "hetgate:epp_ttft_samples_total", backend="alive") == 4
 
 
 def subset_filter(endpoints: list[str]) -> str:
@@ -281,6 +314,39 @@ def test_failed_prefill_without_fallback_is_502(sim, epp, envoy):
     assert metric(decode.url, "vllm:request_success_total") == 0
 
 
+@pytest.mark.parametrize("fallback", ["aggregated", "fail"])
+def test_nixl_prefill_without_transfer_params_is_a_named_fallback(sim, epp, envoy, fallback):
+    """As in `serve` (tests/faults/test_pd_legs.py): a decode pod without the prefiller's KV handle would
+    recompute the whole prompt, so that is a fallback, named, never a P/D route."""
+    prefiller = RawBackend(json_reply(chat_completion()))  # a 200 without kv_transfer_params
+    decode = sim(role="decode")
+    try:
+        prefill = {**backend(decode, "p", ("prefill",), kv_connector="nixl"), "url": prefiller.url}
+        cfg = config(
+            [prefill, backend(decode, "d", ("decode",), kv_connector="nixl")],
+            routing={"disaggregation": "always", "pd_fallback": fallback},
+            health=QUIET_HEALTH,
+        )
+        picker = epp(cfg)
+        proxy = envoy(picker.grpc_port, [decode.url])
+        response = post(proxy.url)
+        # The prefill leg asked for a transfer (NIXL's block): the prefiller was a real P/D leg.
+        assert prefiller.requests[0].json()["kv_transfer_params"]["do_remote_decode"] is True
+    finally:
+        prefiller.stop()
+    fallbacks = metric(picker.metrics_url, "hetgate:pd_fallbacks_total", to=fallback, reason="no_kv_params")
+    assert fallbacks == 1
+    assert metric(picker.metrics_url, "hetgate:route_decisions_total", mode="pd", reason="executed") == 0
+    if fallback == "fail":
+        assert response.status_code == 502
+        assert "no_kv_params" in response.json()["error"]["message"]
+        assert metric(decode.url, "vllm:request_success_total") == 0
+        return
+    assert response.status_code == 200
+    assert response.headers["x-hetgate-route"] == "mode=aggregated; backend=d; fallback=no_kv_params"
+    assert response.json()["usage"]["completion_tokens"] == 8
+
+
 def test_failed_prefill_attempt_is_retried_on_the_next_prefill_backend(sim, epp, envoy):
     dead, prefill, decode = sim(role="prefill"), sim(role="prefill"), sim(role="decode")
     backends = [
@@ -298,6 +364,44 @@ def test_failed_prefill_attempt_is_retried_on_the_next_prefill_backend(sim, epp,
     assert metric(picker.metrics_url, "hetgate:retries_total") == 1
     assert metric(picker.metrics_url, "hetgate:upstream_errors_total", backend="p0", kind="connect") == 1
     assert metric(picker.metrics_url, "hetgate:pd_fallbacks_total") == 0
+
+
+def test_a_failed_prefill_attempt_counts_on_its_backend_until_the_request_ends(sim, epp, envoy):
+    """As in `serve` (tests/faults/test_inflight_accounting.py): the prefiller that refused the leg keeps
+    the request's reservation while the decode runs, then gives it back."""
+    dead, prefill, decode = sim(role="prefill"), sim(role="prefill"), sim(role="decode", simple_engine=SLOW)
+    backends = [
+        backend(dead, "p0", ("prefill",), kv_connector="nixl"),
+        backend(prefill, "p1", ("prefill",), kv_connector="nixl"),
+        backend(decode, "d", ("decode",), kv_connector="nixl"),
+    ]
+    dead.stop()
+    picker = epp(config(backends, routing={"disaggregation": "always"}, health=QUIET_HEALTH))
+    proxy = envoy(picker.grpc_port, [prefill.url, decode.url])
+
+    def in_flight(name: str) -> float:
+        return metric(picker.metrics_url, "hetgate:backend_in_flight", backend=name)
+
+    seen: dict[str, float] = {}
+    for _ in range(2):  # round robin puts the dead prefiller first for one of the two
+        replies: list[httpx.Response] = []
+        body = chat_body(max_tokens=40)  # ~2 s of decoding, not streamed: the EPP holds it until the end
+        request = threading.Thread(target=lambda r=replies, b=body: r.append(post(proxy.url, b)))
+        request.start()
+        deadline = time.monotonic() + 10
+        while request.is_alive() and not seen:
+            failed = metric(picker.metrics_url, "hetgate:upstream_errors_total", backend="p0")
+            if failed and in_flight("d") == 1:
+                seen = {name: in_flight(name) for name in ("p0", "p1", "d")}
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        request.join()
+        assert replies[0].headers["x-hetgate-route"] == "mode=pd; prefill=p1; decode=d"
+    assert seen == {"p0": 1, "p1": 0, "d": 1}  # p1's leg is over; p0's failed try still counts
+    deadline = time.monotonic() + 10
+    while metric(picker.metrics_url, "hetgate:backend_in_flight") > 0:
+        assert time.monotonic() < deadline, "a reservation was never released"
+        time.sleep(0.05)
 
 
 def test_every_reservation_is_released(sim, epp, envoy):
@@ -338,24 +442,32 @@ def test_epp_down(sim, epp, envoy, allow):
         assert response.status_code >= 500
 
 
-def load(url: str, stop: threading.Event) -> list[int]:
-    statuses = []
+def load(url: str, stop: threading.Event, statuses: list[int]) -> None:
     with httpx.Client(timeout=15) as session:
         while not stop.is_set():
             statuses.append(session.post(f"{url}/v1/chat/completions", json=chat_body()).status_code)
-    return statuses
 
 
 def restart_under_load(proxy, picker) -> Counter[int]:  # type: ignore[no-untyped-def]
     stop = threading.Event()
+    statuses: list[int] = []  # appended by 4 client threads (list.append is atomic)
+
+    def answered(count: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(statuses) < count:
+            assert time.monotonic() < deadline, f"{len(statuses)} of {count} requests answered"
+            time.sleep(0.02)
+
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(load, proxy.url, stop) for _ in range(4)]
-        time.sleep(0.5)
+        futures = [pool.submit(load, proxy.url, stop, statuses) for _ in range(4)]
+        answered(4)  # traffic flows before the kill...
         picker.stop(hard=True)  # killed mid-traffic
         picker.start()  # same ports: Envoy reconnects by itself
-        time.sleep(0.5)
+        answered(len(statuses) + 8)  # ...and after the restart
         stop.set()
-        return Counter(s for f in futures for s in f.result())
+        for future in futures:
+            future.result()
+    return Counter(statuses)
 
 
 def test_epp_restart_under_load_fail_open_loses_no_request(sim, epp, envoy):

@@ -135,7 +135,10 @@ def test_queue_timeout_and_disconnect_while_queued(sim_backend: SimThread) -> No
                 held = asyncio.create_task(
                     client.post(f"{gateway.url}/v1/chat/completions", json=chat_body(max_tokens=LONG))
                 )
-                await asyncio.sleep(0.3)  # let it take the slot (polled below, this only orders the sends)
+                deadline = time.monotonic() + 10
+                while not await asyncio.to_thread(metric, gateway.url, "hetgate:admission_active"):
+                    assert time.monotonic() < deadline, "the first request never took the slot"
+                    await asyncio.sleep(0.02)
                 with pytest.raises(httpx.TimeoutException):
                     await client.post(
                         f"{gateway.url}/v1/chat/completions", json=chat_body(), timeout=0.2

@@ -27,11 +27,15 @@ def test_sigterm_drains_then_exits(sim, gateway) -> None:
         with httpx.Client(timeout=30) as client, client.stream(
             "POST", f"{gw.url}/v1/chat/completions", json=chat_body(stream=True, max_tokens=150)
         ) as reply:  # fmt: skip
-            streamed.extend(reply.iter_bytes())
+            for chunk in reply.iter_bytes():  # appended as they come: the test polls for the first
+                streamed.append(chunk)
 
     reader = threading.Thread(target=stream)
     reader.start()
-    time.sleep(0.3)  # the stream is open (its first tokens take ~20 ms)
+    deadline = time.monotonic() + 10
+    while not streamed:  # the stream is open and its first bytes arrived
+        assert time.monotonic() < deadline and reader.is_alive(), "the stream never started"
+        time.sleep(0.01)
     assert gw.process is not None
     gw.process.send_signal(signal.SIGTERM)
     signalled = time.monotonic()

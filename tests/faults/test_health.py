@@ -43,6 +43,22 @@ def test_requests_that_fail_on_every_backend_do_not_get_backends_ejected(sim, ga
     assert [healthy(gw, f"b{i}") for i in range(3)] == [1, 1, 1]
 
 
+def test_dropped_connections_count_at_once_even_when_every_backend_drops_them(sim, gateway):
+    """The contrast to the test above: a connection that breaks before the headers is the backend's
+    fault whatever the request contained (gateway/retry.py `blame`), so it counts with no peer to compare."""
+    servers = [sim() for _ in range(2)]
+    for server in servers:
+        server.set_faults({"close_after_chunks": 0})  # reset before any byte
+    outlier = {"consecutive_gateway_failure": 2, "max_ejection_percent": 100}
+    gw = gateway(config([backend(s, f"b{i}") for i, s in enumerate(servers)], health={"outlier": outlier}))
+    for _ in range(2):
+        assert post(gw).status_code == 502  # tried on both, failed on both
+    assert metric(gw.url, "hetgate:upstream_errors_total", kind="reset") == 4
+    # Both reached the threshold; one backend always stays (gateway/outlier.py `max_ejected`: n - 1).
+    assert metric(gw.url, "hetgate:backend_ejections_total") == 1
+    assert sorted(healthy(gw, f"b{i}") for i in range(2)) == [0, 1]
+
+
 def test_backend_failing_every_generation_with_a_good_health_probe_is_ejected(sim, gateway):
     bad, good1, good2 = sim(), sim(), sim()
     bad.set_faults({"error_status": 500})  # /health stays 200, probed every 0.2 s
@@ -170,13 +186,15 @@ def test_overload_503s_are_backpressure_not_ill_health(sim, gateway):
 def test_a_backend_that_answered_503_is_tried_last_while_it_cools_down(sim, gateway, cooldown_s, retries):
     busy, free = sim(), sim()
     busy.set_faults({"error_status": 503})
-    gw = gateway(
-        config([backend(busy, "busy"), backend(free, "free")], health={"backpressure_cooldown_s": cooldown_s})
-    )
+    # Two failures would eject a backend: its 503s, served by a peer, must not count as failures.
+    outlier = {"consecutive_gateway_failure": 2, "consecutive_5xx": 2}
+    health = {"backpressure_cooldown_s": cooldown_s, "outlier": outlier}
+    gw = gateway(config([backend(busy, "busy"), backend(free, "free")], health=health))
     statuses = [post(gw).status_code for _ in range(6)]  # round robin puts "busy" first every other time
     assert statuses == [200] * 6
     assert metric(gw.url, "hetgate:retries_total") == retries  # cooling: only the first request met it
     assert metric(gw.url, "hetgate:backend_ejections_total") == 0
+    assert healthy(gw, "busy") == 1
 
 
 @pytest.mark.parametrize(("panic_threshold_percent", "served"), [(50, 200), (0, 503)])

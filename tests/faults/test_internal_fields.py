@@ -115,6 +115,18 @@ def test_client_headers_never_reach_the_backend(capture, gateway):  # noqa: F811
     assert set(sent) <= gateway_built, set(sent) - gateway_built
 
 
+def test_an_unsafe_request_id_is_replaced_by_a_fresh_one(capture, gateway):  # noqa: F811
+    """vLLM uses X-Request-Id as its internal id: only a short id of plain characters is passed on."""
+    gw = gateway(config([raw(capture)]))
+    for unsafe in ("../other-request", "x" * 129, "id with spaces"):
+        headers = {"X-Request-Id": unsafe}
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(), headers=headers, timeout=10)
+        assert r.status_code == 200
+        sent = capture.requests[-1].headers["x-request-id"]
+        assert sent != unsafe and len(sent) == 32 and int(sent, 16) >= 0  # 128 random bits, in hex
+        assert r.headers["x-request-id"] == sent  # the client learns the id its request ran under
+
+
 def test_a_backend_redirect_is_never_followed(sim, gateway):  # noqa: F811
     target = RawBackend(json_reply(chat_completion("redirected")))
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import socket
 
 import httpx
+import orjson
+import pytest
 
 from tests.faults.raw_backend import RawBackend, RawRequest, chat_completion, json_reply, response_head
 from tests.integration.conftest import MODEL, backend, chat_body, config, gateway, metric, sim  # noqa: F401
@@ -211,3 +213,40 @@ def test_decode_stream_that_dies_before_its_first_byte_is_retried(sim, gateway):
         assert metric(gw.url, "hetgate:upstream_errors_total", backend="dying", kind="payload") >= 1
     finally:
         dying.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_prefill_leg_asks_for_one_token_and_its_cache_hits_are_reported(sim, gateway, stream):  # noqa: F811
+    """The prefill leg computes the prompt and nothing more: non-streamed, max_tokens (and
+    max_completion_tokens) 1, without the stream's own options; the decode leg gets the client's request.
+    The client's usage reports the prompt tokens the prefiller found cached (the decode's own count
+    says nothing about the prompt's computation)."""
+    usage = {"prompt_tokens": 60, "completion_tokens": 1, "total_tokens": 61}
+    prefiller = RawBackend(
+        json_reply(chat_completion(usage={**usage, "prompt_tokens_details": {"cached_tokens": 48}}))
+    )
+    decode = sim(role="decode")
+    try:
+        prefill = {**backend(decode, "p", ("prefill",), kv_connector="shared-storage"), "url": prefiller.url}
+        gw = gateway(pd_config([prefill, backend(decode, "d", ("decode",), kv_connector="shared-storage")]))
+        fields: dict = {"max_completion_tokens": 8, "min_tokens": 2}
+        if stream:
+            fields["stream_options"] = {"include_usage": True}
+        r = post(gw, stream=stream, **fields)
+        assert r.status_code == 200
+        assert r.headers["x-hetgate-route"] == "mode=pd; prefill=p; decode=d"
+        leg = prefiller.requests[0].json()
+    finally:
+        prefiller.stop()
+    assert (leg["stream"], leg["max_tokens"], leg["max_completion_tokens"]) == (False, 1, 1)
+    assert not {"stream_options", "min_tokens", "kv_transfer_params"} & set(leg)
+    assert leg["messages"] == chat_body(PROMPT)["messages"]
+    assert metric(decode.url, "vllm:generation_tokens_total") == 8  # the client's max_tokens, decoded
+    if stream:
+        assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
+        events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e.startswith("data: {")]
+        client_usage = orjson.loads(events[-1])["usage"]
+    else:
+        client_usage = r.json()["usage"]
+    assert client_usage["completion_tokens"] == 8
+    assert client_usage["prompt_tokens_details"]["cached_tokens"] == 48

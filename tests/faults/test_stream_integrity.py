@@ -4,6 +4,7 @@ that ends without [DONE] is reported in band, never passed on as complete."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import httpx
@@ -76,6 +77,28 @@ def test_nothing_is_sent_after_done(gateway):  # noqa: F811
     assert body == EVENT + DONE
 
 
+def test_the_reply_ends_at_done_even_if_the_backend_keeps_the_stream_open(gateway):  # noqa: F811
+    """[DONE] ends the client's reply at once: a backend that leaves its stream open after it is not
+    waited for (its idle timeout would otherwise land an error after [DONE])."""
+    release = threading.Event()
+
+    def script(conn: socket.socket, _request: RawRequest) -> None:
+        conn.sendall(
+            response_head(200, {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked"})
+        )
+        conn.sendall(chunked(EVENT + DONE))
+        release.wait(30)  # open, silent, until the test is over
+
+    server = RawBackend(script)
+    try:
+        gw = gateway(config([raw(server)], timeouts={"idle_s": 1.0}))
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(stream=True), timeout=10)
+        assert r.content == EVENT + DONE
+    finally:
+        release.set()
+        server.stop()
+
+
 def test_events_split_across_chunks_arrive_whole(gateway):  # noqa: F811
     def script(conn: socket.socket, _request: RawRequest) -> None:
         conn.sendall(
@@ -87,6 +110,22 @@ def test_events_split_across_chunks_arrive_whole(gateway):  # noqa: F811
         conn.sendall(b"0\r\n\r\n")
 
     assert stream_through(gateway, script) == EVENT + EVENT + DONE
+
+
+def test_an_event_over_the_size_limit_ends_the_stream_in_band(gateway):  # noqa: F811
+    """A backend event that grows past limits.max_response_bytes without ending is not buffered on: the
+    client gets the events before it, then the error and [DONE]."""
+    huge = b'data: {"id":"e","choices":[{"delta":{"content":"' + b"x" * 40_000
+    server = RawBackend(sse_reply(EVENT, huge[:20_000], huge[20_000:]))
+    try:
+        gw = gateway(config([raw(server)], limits={"max_response_bytes": 16384}))
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(stream=True), timeout=10)
+    finally:
+        server.stop()
+    assert r.status_code == 200
+    events = assert_well_formed(r.content)
+    assert len(events) == 3 and events[0] + b"\n\n" == EVENT
+    assert "max_response_bytes" in orjson.loads(events[1][6:])["error"]["message"]
 
 
 def test_pd_stream_cut_by_the_decode_backend_ends_cleanly(sim, gateway):  # noqa: F811

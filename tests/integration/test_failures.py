@@ -77,7 +77,8 @@ def test_retryable_status_goes_to_the_next_backend(sim, gateway, status):
         r = post(gw, chat_body())
         assert r.status_code == 200
         assert r.headers["x-hetgate-route"] == "mode=aggregated; backend=good"
-    assert metric(gw.url, "hetgate:retries_total") >= 1
+    assert metric(gw.url, "hetgate:retries_total") == 1  # exactly one of the two started on `bad`
+    assert metric(gw.url, "hetgate:upstream_errors_total", backend="bad", kind="status") == 1
 
 
 @pytest.mark.parametrize("status", [400, 409])
@@ -101,6 +102,25 @@ def test_connection_refused_is_retried_elsewhere(sim, gateway):
     assert metric(gw.url, "hetgate:upstream_errors_total", backend="dead", kind="connect") >= 1
 
 
+def test_with_the_retry_budget_spent_only_refused_connections_are_retried(sim, gateway):
+    """A refused connection cost no backend any work, so its retry takes no budget (gateway/retry.py);
+    a 500's retry does, and with none left the backend's answer is relayed."""
+    none_left = {"budget_percent": 0, "min_retry_concurrency": 0}
+    good = sim()
+    dead = {"id": "dead", "url": "http://127.0.0.1:9", "model": MODEL, "accelerator": "h100-sxm"}
+    gw = gateway(config([dead, backend(good, "good")], retry=none_left, health={"interval_s": 60}))
+    assert [post(gw, chat_body()).status_code for _ in range(4)] == [200] * 4
+    assert metric(gw.url, "hetgate:retries_total") == 2  # round robin put `dead` first twice
+    assert metric(gw.url, "hetgate:retry_budget_exhausted_total") == 0
+
+    bad = sim()
+    bad.set_faults({"error_status": 500})
+    gw = gateway(config([backend(bad, "bad"), backend(good, "good")], retry=none_left))
+    assert sorted(post(gw, chat_body()).status_code for _ in range(4)) == [200, 200, 500, 500]
+    assert metric(gw.url, "hetgate:retries_total") == 0
+    assert metric(gw.url, "hetgate:retry_budget_exhausted_total") == 2
+
+
 def test_all_backends_failing_gives_the_last_error(sim, gateway):
     a, b = sim(), sim()
     a.set_faults({"error_status": 503})
@@ -108,7 +128,10 @@ def test_all_backends_failing_gives_the_last_error(sim, gateway):
     gw = gateway(config([backend(a, "a"), backend(b, "b")]))
     r = post(gw, chat_body())
     assert r.status_code == 503
-    assert "error" in r.json()
+    assert r.json()["error"]["message"] == "simulated fault"  # the backend's own answer, relayed
+    for name in ("a", "b"):  # both were tried before giving up
+        assert metric(gw.url, "hetgate:upstream_errors_total", backend=name, kind="status") == 1
+    assert metric(gw.url, "hetgate:retries_total") == 1
 
 
 def test_stall_before_first_byte_is_retried_elsewhere(sim, gateway):
@@ -143,9 +166,11 @@ def test_backend_dying_mid_stream_ends_with_an_sse_error(sim, gateway):
     r = post(gw, chat_body(stream=True, max_tokens=20))
     assert r.status_code == 200
     events = sse_events(r.text)
-    assert len(events) >= 3
+    assert len(events) == 4  # the two chunks sent, then the gateway's error and [DONE]
+    assert all(orjson.loads(e)["object"] == "chat.completion.chunk" for e in events[:2])
     assert "error" in orjson.loads(events[-2])
     assert events[-1] == "[DONE]"
+    assert metric(gw.url, "hetgate:requests_total", status="502") == 1  # counted as failed, not served
 
 
 def test_stall_between_chunks_ends_with_an_sse_error(sim, gateway):
@@ -156,6 +181,7 @@ def test_stall_between_chunks_ends_with_an_sse_error(sim, gateway):
     r = post(gw, chat_body(stream=True, max_tokens=20))
     assert time.monotonic() - started < 3
     assert "error" in orjson.loads(sse_events(r.text)[-2])
+    assert metric(gw.url, "hetgate:upstream_errors_total", backend="a", kind="timeout") == 1
 
 
 def test_long_generation_has_no_total_time_limit(sim, gateway):
@@ -193,7 +219,7 @@ def test_client_disconnect_aborts_the_backend_request(sim, gateway):
 
 def test_client_disconnect_during_prefill_cancels_both_legs(sim, gateway):
     prefill, decode = sim(role="prefill"), sim(role="decode")
-    prefill.set_faults({"first_byte_delay_s": 2})
+    prefill.set_faults({"first_byte_delay_s": 30})
     cfg = config(
         [
             backend(prefill, "p", ("prefill",), kv_connector="nixl"),
@@ -204,9 +230,15 @@ def test_client_disconnect_during_prefill_cancels_both_legs(sim, gateway):
     gw = gateway(cfg)
     with pytest.raises(httpx.ReadTimeout):
         post(gw, chat_body(stream=True), timeout=0.5)
-    time.sleep(2.5)
+    # The prefill stalls for 30 s: only a cancelled request gives both reservations back within 10 s
+    # (one left running would hold the decode backend until its decode leg ended).
+    deadline = time.monotonic() + 10
+    while metric(gw.url, "hetgate:client_disconnects_total") != 1 or metric(
+        gw.url, "hetgate:backend_in_flight"
+    ):
+        assert time.monotonic() < deadline, "the abandoned P/D request was not cancelled"
+        time.sleep(0.05)
     assert requests_seen(decode) == 0  # the decode leg never started
-    assert metric(gw.url, "hetgate:client_disconnects_total") == 1
 
 
 # -- P/D as a transaction ----------------------------------------------------------------------------------
@@ -244,16 +276,35 @@ def test_failed_prefill_with_fallback_off_fails_cleanly(sim, gateway):
     assert metric(gw.url, "hetgate:pd_fallbacks_total", to="fail") == 1
 
 
-def test_failed_decode_falls_back_to_aggregated(sim, gateway):
-    prefill, decode, spare = sim(role="prefill"), sim(role="decode"), sim()
-    decode.set_faults({"error_status": 503})
-    cfg = pd_config(prefill, decode)
-    cfg["backends"].append(backend(spare, "spare", ("decode",)))
-    cfg["routing"]["policy"] = "least_load"
+def test_decode_failed_fallback_leaves_out_the_unreachable_decode_backend(sim, gateway):
+    """No retries: the decode leg tries only the first decode backend, which refuses the connection; the
+    fallback to aggregated serving skips it (it was just found unreachable) and goes to the next one."""
+    prefill, spare = sim(role="prefill"), sim(role="decode")
+    dead = {**backend(spare, "dead", ("decode",), kv_connector="nixl"), "url": "http://127.0.0.1:9"}
+    cfg = config(
+        [
+            backend(prefill, "p", ("prefill",), kv_connector="nixl"),
+            dead,
+            backend(spare, "spare", ("decode",), kv_connector="nixl"),
+        ],
+        routing={"disaggregation": "always", "policy": "least_load"},
+        retry={"num_retries": 0},
+        health={"interval_s": 60},  # no probe takes `dead` out: the request path alone must
+    )
     gw = gateway(cfg)
-    routes = {post(gw, chat_body()).headers["x-hetgate-route"] for _ in range(3)}
-    assert "mode=pd; prefill=p; decode=spare" in routes or any("decode_failed" in r for r in routes)
-    assert all(r.startswith(("mode=pd; prefill=p; decode=spare", "mode=aggregated")) for r in routes)
+    routes = [post(gw, chat_body()) for _ in range(3)]
+    assert [r.status_code for r in routes] == [200] * 3
+    fallbacks = [r for r in routes if "fallback" in r.headers["x-hetgate-route"]]
+    assert {r.headers["x-hetgate-route"] for r in routes} <= {
+        "mode=pd; prefill=p; decode=spare",
+        "mode=aggregated; backend=spare; fallback=decode_failed",
+    }
+    assert fallbacks, "the dead decode backend was never tried first"
+    # `dead` was tried once per fallback (the decode leg), never again by the fallback itself.
+    connects = metric(gw.url, "hetgate:upstream_errors_total", backend="dead", kind="connect")
+    assert connects == len(fallbacks)
+    assert metric(gw.url, "hetgate:pd_fallbacks_total", reason="decode_failed") == len(fallbacks)
+    assert metric(gw.url, "hetgate:retries_total") == 0
 
 
 # -- health: passive ejection, active probes, return after the ejection time (more in tests/faults) ---------

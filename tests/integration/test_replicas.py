@@ -100,3 +100,24 @@ def test_a_crashed_replica_stops_counting_within_the_ttl(sim, gateway, redis_ser
         started = time.monotonic()
         until(lambda: cluster_in_flight(survivor) == 0, timeout_s=10)
     assert time.monotonic() - started < 2.0 + 1.0  # share_ttl_s (2 s) plus a publication or two
+
+
+def test_other_replicas_counts_fade_when_redis_is_gone(sim, gateway, redis_server_factory):
+    """Redis down: a replica keeps the last counts it heard for share_ttl_s (other replicas keep its
+    own as long), then balances on its own view, as a lone gateway would (gateway/replicas.py)."""
+    redis = redis_server_factory()
+    sims = [sim(simple_engine=LONG), sim(simple_engine=LONG)]
+    survivor = gateway(shared_config(sims, redis.url))
+    other = gateway(shared_config(sims, redis.url))
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(httpx.Client(timeout=30))
+        for i in range(2):
+            body = chat_body(f"request {i}", stream=True, max_tokens=300)
+            stack.enter_context(client.stream("POST", f"{other.url}/v1/chat/completions", json=body))
+        until(lambda: cluster_in_flight(survivor) == 2)
+        redis.kill()
+        gone = time.monotonic()
+        until(lambda: cluster_in_flight(survivor) == 0, timeout_s=10)
+        faded_after = time.monotonic() - gone
+        assert metric(other.url, "hetgate:backend_in_flight") == 2  # still running: only the view faded
+    assert faded_after >= 1.0  # held for about share_ttl_s (2 s) first, not dropped at the first error

@@ -85,3 +85,11 @@ def test_cutter_refuses_an_event_that_never_ends():
     cutter.feed(b"data: 0123456789")
     with pytest.raises(EventTooLarge):
         cutter.feed(b"0123456789")
+
+
+def test_cutter_passes_on_the_whole_events_before_one_that_never_ends():
+    cutter = EventCutter(16)
+    assert cutter.feed(b"data: 1\n\ndata: 0123456789abcdefghij") == b"data: 1\n\n"
+    assert cutter.overflowed and not cutter.done
+    with pytest.raises(EventTooLarge):
+        cutter.feed(b"more")
