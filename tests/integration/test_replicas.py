@@ -85,17 +85,23 @@ def test_two_replicas_balance_as_one_gateway(sim, gateway, redis_server_factory)
     assert sorted(served.values()) == [2, 4]
 
 
+def hold_two_streams(stack: contextlib.ExitStack, url: str, observer) -> None:
+    """Open two long streams through the gateway at `url` (held until `stack` closes) and wait until the
+    replica `observer` counts both in the cluster's in-flight view."""
+    client = stack.enter_context(httpx.Client(timeout=30))
+    for i in range(2):
+        body = chat_body(f"request {i}", stream=True, max_tokens=300)
+        stack.enter_context(client.stream("POST", f"{url}/v1/chat/completions", json=body))
+    until(lambda: cluster_in_flight(observer) == 2)
+
+
 def test_a_crashed_replica_stops_counting_within_the_ttl(sim, gateway, redis_server_factory):
     redis = redis_server_factory()
     sims = [sim(simple_engine=LONG), sim(simple_engine=LONG)]
     survivor = gateway(shared_config(sims, redis.url))
     doomed = gateway(shared_config(sims, redis.url))
     with contextlib.ExitStack() as stack:
-        client = stack.enter_context(httpx.Client(timeout=30))
-        for i in range(2):
-            body = chat_body(f"request {i}", stream=True, max_tokens=300)
-            stack.enter_context(client.stream("POST", f"{doomed.url}/v1/chat/completions", json=body))
-        until(lambda: cluster_in_flight(survivor) == 2)
+        hold_two_streams(stack, doomed.url, survivor)
         os.killpg(doomed.pid, signal.SIGKILL)
         started = time.monotonic()
         until(lambda: cluster_in_flight(survivor) == 0, timeout_s=10)
@@ -110,11 +116,7 @@ def test_other_replicas_counts_fade_when_redis_is_gone(sim, gateway, redis_serve
     survivor = gateway(shared_config(sims, redis.url))
     other = gateway(shared_config(sims, redis.url))
     with contextlib.ExitStack() as stack:
-        client = stack.enter_context(httpx.Client(timeout=30))
-        for i in range(2):
-            body = chat_body(f"request {i}", stream=True, max_tokens=300)
-            stack.enter_context(client.stream("POST", f"{other.url}/v1/chat/completions", json=body))
-        until(lambda: cluster_in_flight(survivor) == 2)
+        hold_two_streams(stack, other.url, survivor)
         redis.kill()
         gone = time.monotonic()
         until(lambda: cluster_in_flight(survivor) == 0, timeout_s=10)
