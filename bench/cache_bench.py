@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,12 @@ class ApproximateIndexRouter:
 
     def tpot_correction(self, backend_id: str) -> float:
         return self.inner.tpot_correction(backend_id)
+
+    def calibration(self) -> dict[str, float]:
+        return self.inner.calibration()
+
+    def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None:
+        self.inner.blend_calibration(others)
 
 
 def run_policy(

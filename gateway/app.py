@@ -167,7 +167,7 @@ def start_live_changes(
         tasks.append(asyncio.create_task(kube.run(), name="discovery-kubernetes"))
     if state.metrics.multiprocess:
         tasks.append(asyncio.create_task(state.metrics.refresh_every(1.0), name="metrics-refresh"))
-    shared = start_shared_load(state.registry, state.config.index)
+    shared = start_shared_load(state.registry, state.config.index, lambda: state.handler.decider.routers)
     if shared is not None:
         tasks.append(shared)
     if config_path is not None:

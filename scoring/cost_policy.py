@@ -56,6 +56,7 @@ Ties keep a rotating order, so identical backends share the load.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -393,8 +394,11 @@ class CostRanker(SimpleRanker):
         old = self.tpot_correction(backend)
         step = 1.0 + self.learning_rate * (measured / (predicted * old) - 1.0)
         self._tpot_correction[backend] = float(np.clip(old * max(step, 0.5), *_TPOT_CLIP))
+        self._refresh_tpot_factors()
+
+    def _refresh_tpot_factors(self) -> None:
         values = np.fromiter(self._tpot_correction.values(), dtype=float)
-        self._tpot_prior = float(np.exp(np.log(values).mean()))
+        self._tpot_prior = float(np.exp(np.log(values).mean())) if values.size else 1.0
         for cl in self._clusters.values():
             cl.tpot_factor[:] = [self.tpot_correction(x.id) for x in cl.specs]
 
@@ -433,6 +437,38 @@ class CostRanker(SimpleRanker):
 
     def corrections(self) -> dict[str, float]:
         return dict(self._correction)
+
+    def calibration(self) -> dict[str, float]:
+        """Every correction learnt, by name: `compute/<backend>`, `tpot/<backend>`, `pair/<from>/<to>`
+        (backend ids have no `/`), for other gateway replicas (`blend_calibration`)."""
+        named = {f"compute/{b}": k for b, k in self._correction.items()}
+        named.update({f"tpot/{b}": k for b, k in self._tpot_correction.items()})
+        named.update({f"pair/{a}/{b}": k for (a, b), k in self._pair_correction.items()})
+        return named
+
+    def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None:
+        """Move each correction half way (in log space) to the geometric mean of other replicas' values
+        for it. Replicas that all blend so agree within a few exchanges while each keeps learning from
+        its own requests; a backend this one has not measured takes what the others learnt."""
+        for name, values in others.items():
+            kind, _, ids = name.partition("/")
+            theirs = [v for v in values if v > 0]
+            if not theirs or not ids:
+                continue
+            target = math.exp(sum(map(math.log, theirs)) / len(theirs))
+            if kind == "compute":
+                self._correction[ids] = _halfway(self.correction(ids), target, _CLIP)
+            elif kind == "tpot":
+                self._tpot_correction[ids] = _halfway(self.tpot_correction(ids), target, _TPOT_CLIP)
+            elif kind == "pair" and "/" in ids:
+                source, _, target_id = ids.partition("/")
+                pair = (source, target_id)
+                factor = _halfway(self._pair_correction.get(pair, 1.0), target, _CLIP)
+                self._pair_correction[pair] = factor
+                for cl in self._clusters.values():
+                    cl.set_pair_factor(pair, factor)
+        self._refresh_compute_factors()
+        self._refresh_tpot_factors()
 
     def _cluster(self, specs: tuple[BackendSpec, ...]) -> _Cluster:
         last = self._last
@@ -523,3 +559,7 @@ def _pair_wins(pair: tuple[bool, float, float], agg: tuple[bool, float, float], 
         if pair_cheap != agg_cheap:
             return pair_cheap
     return pair[2] < agg[2]
+
+
+def _halfway(mine: float, theirs: float, clip: tuple[float, float]) -> float:
+    return float(np.clip(math.sqrt(mine * theirs), *clip))

@@ -19,6 +19,7 @@ plan in seconds and returns the plan itself (`Ranker.judges_split`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,6 +64,10 @@ class Ranker(Protocol):
     def correction(self, backend_id: str) -> float: ...
 
     def tpot_correction(self, backend_id: str) -> float: ...
+
+    def calibration(self) -> dict[str, float]: ...
+
+    def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,12 @@ class SimpleRanker:
 
     def tpot_correction(self, backend_id: str) -> float:
         return 1.0
+
+    def calibration(self) -> dict[str, float]:
+        return {}
+
+    def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None:
+        """Nothing learnt, nothing to blend."""
 
 
 class RoundRobin(SimpleRanker):
@@ -213,6 +224,14 @@ class PlanningRouter:
 
     def tpot_correction(self, backend_id: str) -> float:
         return self.ranker.tpot_correction(backend_id)
+
+    def calibration(self) -> dict[str, float]:
+        return self.ranker.calibration()
+
+    def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None:
+        for ranker in {id(r): r for r in (self.ranker, self.prefill_ranker)}.values():
+            if ranker.learns:
+                ranker.blend_calibration(others)
 
 
 def build_ranker(policy: str, **knobs: Any) -> Ranker:

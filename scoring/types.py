@@ -202,6 +202,14 @@ class Router(Protocol):
         """What it learnt of one backend: measured over predicted TPOT (1.0: nothing)."""
         ...
 
+    def calibration(self) -> dict[str, float]:
+        """Everything it learnt, by name, to share with other gateway replicas (empty: nothing)."""
+        ...
+
+    def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None:
+        """Take in what other replicas learnt (their `calibration` values, per name); may do nothing."""
+        ...
+
 
 class Leg(enum.StrEnum):
     AGGREGATED = "aggregated"

@@ -120,7 +120,7 @@ async def run(config: GatewayConfig, listen: Listen, settings: PickerSettings) -
     grpc_port = server.add_insecure_port(f"{listen.host}:{listen.grpc_port}")
     metrics_site = await _metrics_site(metrics, listen)
     # Other replicas' in-flight counts, shared as `serve` shares them (gateway/replicas.py).
-    shared = start_shared_load(registry, config.index)
+    shared = start_shared_load(registry, config.index, lambda: decider.routers)
     try:
         async with httpx.AsyncClient() as control_client:
             poller = Poller(registry, control_client)

@@ -396,3 +396,29 @@ def test_a_slow_decoder_fails_the_tpot_check_but_keeps_its_price(deepseek):
     assert {router.plan(slow, candidates).aggregated[0] for _ in range(4)} == {1}
     after = ranker._price(request, candidates, ranker._cluster(specs)).tpot
     assert after == pytest.approx(tpot)
+
+
+def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_cannot_read(deepseek):
+    ranker = CostRanker(deepseek)
+    converge(ranker, 4.0, 0.0, 1.0, 200, "mi308x-0")
+    ranker.blend_calibration(
+        {
+            "compute/mi300x-0": [4.0],  # unmeasured here (prior 4.0, the mean of mi308x-0's): stays 4
+            "compute/mi308x-0": [1.0, 1.0],  # half way in log space: sqrt(4 x 1)
+            "tpot/mi300x-0": [2.0, 8.0],  # the others' geometric mean is 4: sqrt(1 x 4)
+            "pair/mi300x-0/mi308x-0": [9.0],
+            "compute/mi308x-1": [-1.0, 0.0],  # not a correction
+            "queue/mi300x-0": [5.0],  # not a kind it learns
+            "pair/mi300x-0": [5.0],  # not a pair
+        }
+    )
+    assert ranker.correction("mi308x-0") == pytest.approx(2.0, rel=0.02)
+    assert ranker.correction("mi300x-0") == pytest.approx(4.0, rel=0.02)
+    assert ranker.tpot_correction("mi300x-0") == pytest.approx(2.0)
+    learnt = ranker.calibration()
+    assert learnt["pair/mi300x-0/mi308x-0"] == pytest.approx(3.0)
+    assert set(learnt) == {"compute/mi300x-0", "compute/mi308x-0", "tpot/mi300x-0", "pair/mi300x-0/mi308x-0"}
+    # The pricing reads the blended factors (rows: mi300x-0, mi308x-0).
+    roofline = CostRanker(deepseek).predicted_ttft(long_prompt(), cluster())
+    assert ranker.predicted_ttft(long_prompt(), cluster()) / roofline == pytest.approx([4.0, 2.0], rel=0.02)
+
