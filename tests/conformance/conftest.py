@@ -9,6 +9,8 @@ checks run against hetgate's simulated backend and against a real vLLM:
 * `HETGATE_CONFORMANCE_TARGET='{"base_url": "http://127.0.0.1:8100", "model": "tiny", ...}'` (JSON with
   the fields of `ConformanceTarget`) points the suite at a running server instead; absent optional
   parts (`prefill_url`, `decode_url`, `kv_events_endpoint`, `kv_replay_endpoint`) skip their tests.
+  A live vLLM needs `--enable-prefix-caching --enable-prompt-tokens-details --enable-server-load-tracking`
+  (as bench/vllm_server.py starts it): without the last, its /load stays 0.
 * Or override the `conformance_target` fixture in a closer conftest.
 """
 
