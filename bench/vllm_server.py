@@ -222,6 +222,8 @@ class VllmServer:
             str(MAX_MODEL_LEN),
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
+            # /load counts in-flight requests only with this (the conformance suite checks it does).
+            "--enable-server-load-tracking",
         ]
         if self.spec.kv_events:
             args += ["--kv-events-config", self.spec.kv_events.to_json()]

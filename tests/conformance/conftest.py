@@ -9,6 +9,8 @@ checks run against hetgate's simulated backend and against a real vLLM:
 * `HETGATE_CONFORMANCE_TARGET='{"base_url": "http://127.0.0.1:8100", "model": "tiny", ...}'` (JSON with
   the fields of `ConformanceTarget`) points the suite at a running server instead; absent optional
   parts (`prefill_url`, `decode_url`, `kv_events_endpoint`, `kv_replay_endpoint`) skip their tests.
+  A live vLLM needs `--enable-prefix-caching --enable-prompt-tokens-details --enable-server-load-tracking`
+  (as bench/vllm_server.py starts it): without the last, its /load stays 0.
 * Or override the `conformance_target` fixture in a closer conftest.
 """
 
@@ -74,6 +76,18 @@ def conformance_target() -> Iterator[ConformanceTarget]:
             kv_replay_endpoint=replay_endpoint,
             simulator=True,
         )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Against the built-in simulator, which has every optional part, a skipped check is a failure: the
+    suite could otherwise pass with its P/D or KV-event checks silently gone. (A live target's run is
+    counted by whoever started it: tests/e2e/test_agg_conformance.py names the skips it allows.)"""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.skipped and _target_from_env() is None:
+        report.outcome = "failed"
+        report.longrepr = f"skipped against the built-in simulator: {report.longrepr}"
 
 
 @pytest.fixture

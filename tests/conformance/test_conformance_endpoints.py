@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 from conformance_helpers import ConformanceTarget, words
 
@@ -26,9 +28,40 @@ def test_version(client: httpx.Client) -> None:
     assert isinstance(version, str) and version[0].isdigit()
 
 
-def test_load_counts_in_flight_requests(client: httpx.Client) -> None:
+def server_load(client: httpx.Client) -> int:
     load = client.get("/load").json()
-    assert set(load) == {"server_load"} and load["server_load"] >= 0
+    assert set(load) == {"server_load"}
+    return load["server_load"]
+
+
+def load_becomes(client: httpx.Client, expected: int, timeout_s: float = 10.0) -> bool:
+    """Poll /load: a finished or aborted request leaves the count a moment after its last byte."""
+    deadline = time.monotonic() + timeout_s
+    while server_load(client) != expected:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_load_counts_in_flight_requests(client: httpx.Client, conformance_target: ConformanceTarget) -> None:
+    # Real vLLM counts only with --enable-server-load-tracking (bench/vllm_server.py starts it so).
+    assert load_becomes(client, 0)
+    max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    request = {
+        "model": conformance_target.model,
+        "prompt": words(4),
+        "max_tokens": min(1000, max_model_len // 2),
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with client.stream("POST", "/v1/completions", json=request) as held:
+        assert held.status_code == 200
+        events = held.iter_raw()  # kept: a dropped iterator would close the stream
+        next(events)  # the first event: the request is running
+        assert server_load(client) == 1
+    # Leaving the block closed the stream: the server aborts the request and stops counting it.
+    assert load_becomes(client, 0)
 
 
 def test_unknown_path_is_fastapis_404(client: httpx.Client) -> None:

@@ -81,6 +81,43 @@ def test_block_stored_events_are_tagged_maps(
     assert len(event["token_ids"]) == len(event["block_hashes"]) * event["block_size"]
 
 
+def stored_blocks(
+    sub: zmq.Socket, size: int, wanted: list[tuple[int, ...]]
+) -> dict[tuple[int, ...], dict[str, Any]]:
+    """Read batches until every wanted block (its token ids) was announced; each maps to its event."""
+    found: dict[tuple[int, ...], dict[str, Any]] = {}
+    deadline = time.monotonic() + 30
+    while not set(wanted) <= found.keys():
+        assert time.monotonic() < deadline, "the wanted BlockStored events did not come within 30 s"
+        try:
+            _, events, _ = decode(sub.recv_multipart()[2])
+        except zmq.Again:
+            continue
+        for event in events:
+            if event["type"] == "BlockStored":
+                tokens = event["token_ids"]
+                for i in range(len(event["block_hashes"])):
+                    found[tuple(tokens[i * size : (i + 1) * size])] = {**event, "index": i}
+    return found
+
+
+def test_a_longer_prompt_chains_its_new_blocks_to_the_cached_prefix(
+    subscriber: zmq.Socket, client: httpx.Client, conformance_target: ConformanceTarget
+) -> None:
+    """A consumer rebuilds hashes from the chain (hetgate's kvindex/events.py does): the first new block's
+    parent is the cached prefix's last block."""
+    size, model = conformance_target.block_size, conformance_target.model
+    tokens = token_prompt(client, conformance_target, 4 * size + 1, seed=f"chain{next(_prompt_counter)}x")
+    blocks = [tuple(tokens[i * size : (i + 1) * size]) for i in range(4)]
+    client.post("/v1/completions", json={"model": model, "prompt": tokens[: 2 * size + 1], "max_tokens": 1})
+    prefix = stored_blocks(subscriber, size, blocks[:2])
+    client.post("/v1/completions", json={"model": model, "prompt": tokens, "max_tokens": 1})
+    extension = stored_blocks(subscriber, size, blocks[2:])[blocks[2]]
+    last_cached = prefix[blocks[1]]
+    assert extension["index"] == 0, "the cached blocks are not announced again"
+    assert extension["parent_block_hash"] == last_cached["block_hashes"][last_cached["index"]]
+
+
 def test_replay_resends_buffered_batches_then_end_seq(
     subscriber: zmq.Socket, client: httpx.Client, conformance_target: ConformanceTarget
 ) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
-from conformance_helpers import ConformanceTarget, metric_samples, metric_value, words
+from conformance_helpers import ConformanceTarget, metric_samples, metric_value, token_prompt, words
 
 REQUIRED = [
     "vllm:num_requests_running",
@@ -41,17 +43,24 @@ def test_vllm_metric_names_and_labels(client: httpx.Client, conformance_target: 
     assert 0.0 <= usage <= 1.0
 
 
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def delta_of(before: Samples, after: Samples, model: str) -> Callable[..., float]:
+    def delta(name: str, **labels: str) -> float:
+        return metric_value(after, name, model_name=model, **labels) - metric_value(
+            before, name, model_name=model, **labels
+        )
+
+    return delta
+
+
 def test_counters_follow_a_request(client: httpx.Client, conformance_target: ConformanceTarget) -> None:
     model = conformance_target.model
     before = metric_samples(client)
     request = {"model": model, "prompt": words(10, seed="metric"), "max_tokens": 3, "ignore_eos": True}
     usage = client.post("/v1/completions", json=request).json()["usage"]
-    after = metric_samples(client)
-
-    def delta(name: str, **labels: str) -> float:
-        return metric_value(after, name, model_name=model, **labels) - metric_value(
-            before, name, model_name=model, **labels
-        )
+    delta = delta_of(before, metric_samples(client), model)
 
     assert delta("vllm:prompt_tokens_total") == usage["prompt_tokens"]
     assert delta("vllm:generation_tokens_total") == 3
@@ -59,3 +68,26 @@ def test_counters_follow_a_request(client: httpx.Client, conformance_target: Con
     assert delta("vllm:time_to_first_token_seconds_count") == 1
     assert delta("vllm:e2e_request_latency_seconds_count") == 1
     assert delta("vllm:prefix_cache_queries_total") == usage["prompt_tokens"]
+
+
+def test_prefix_cache_counters_count_a_repeated_prompts_hit(
+    client: httpx.Client, conformance_target: ConformanceTarget
+) -> None:
+    """The second time a prompt comes, its whole blocks are hits (the last token is always computed)."""
+    size = conformance_target.block_size
+    prompt = token_prompt(client, conformance_target, 3 * size + 5, seed="metric-hit")
+    request = {"model": conformance_target.model, "prompt": prompt, "max_tokens": 1}
+    assert client.post("/v1/completions", json=request).status_code == 200  # caches three blocks
+    before = metric_samples(client)
+    usage = client.post("/v1/completions", json=request).json()["usage"]
+    delta = delta_of(before, metric_samples(client), conformance_target.model)
+
+    hit = 3 * size
+    assert delta("vllm:prefix_cache_queries_total") == len(prompt)
+    assert delta("vllm:prefix_cache_hits_total") == hit
+    by_source = "vllm:prompt_tokens_by_source_total"
+    assert delta(by_source, source="local_cache_hit") == hit
+    assert delta(by_source, source="local_compute") == len(prompt) - hit
+    assert delta(by_source, source="external_kv_transfer") == 0
+    if conformance_target.prompt_tokens_details:
+        assert usage["prompt_tokens_details"]["cached_tokens"] == hit

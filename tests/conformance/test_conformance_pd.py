@@ -25,6 +25,7 @@ OBSERVED_KEYS = {
     "remote_blocks_expiry_time", "transfer_mode", "remote_prefill_cached_tokens",
 }  # fmt: skip
 HELD_METRIC = "hetgate:kv_blocks_held_for_transfer"
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
 @pytest.fixture
@@ -97,20 +98,27 @@ def test_decode_with_the_prefillers_params(
         "kv_transfer_params": params,
     }
     with httpx.Client(base_url=conformance_target.decode_url, timeout=60) as decoder:
+        before = _by_source(decoder)
         with decoder.stream(
             "POST", "/v1/completions", json=request, headers={"X-Request-Id": "conf-pd-2"}
         ) as r:
             assert r.status_code == 200
             text = r.read().decode()
-        external = metric_value(
-            metric_samples(decoder), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-        )
+        after = _by_source(decoder)
     assert text.endswith("data: [DONE]\n\n")
-    assert external > 0
+    # The decoder pulled the whole prompt and computed none of it (the counters are cumulative: deltas).
+    moved = {source: after[source] - before[source] for source in after}
+    assert moved == {"external_kv_transfer": len(prompt), "local_compute": 0, "local_cache_hit": 0}
     if conformance_target.simulator:
         # The simulator's stand-in for the NIXL pull tells the prefiller, which unpins the request's blocks.
         pulled = len(params["remote_block_ids"][0])
         assert _wait_for(lambda: _held_blocks(prefiller) == held_before - pulled)
+
+
+def _by_source(server: httpx.Client) -> dict[str, float]:
+    samples = metric_samples(server)
+    sources = ("external_kv_transfer", "local_compute", "local_cache_hit")
+    return {source: metric_value(samples, BY_SOURCE, source=source) for source in sources}
 
 
 def _held_blocks(server: httpx.Client) -> float:

@@ -46,10 +46,13 @@ def test_chat_completion(client: openai.OpenAI, aggregated_servers: list[VllmSer
     assert route["backend"] in {server.spec.name for server in aggregated_servers}
 
 
-def test_streamed_chat_reports_usage_last(client: openai.OpenAI) -> None:
+def test_streamed_chat_reports_usage_last(
+    client: openai.OpenAI, aggregated_servers: list[VllmServer]
+) -> None:
+    messages = [{"role": "user", "content": "import os"}]
     stream = client.chat.completions.create(
         model="tiny",
-        messages=[{"role": "user", "content": "import os"}],
+        messages=messages,
         max_tokens=6,
         temperature=0,
         stream=True,
@@ -64,6 +67,13 @@ def test_streamed_chat_reports_usage_last(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == 6
     assert all(chunk.usage is None for chunk in chunks[:-1])
+    # No event was lost on the way: the text is a backend's own greedy answer (both hold the same weights).
+    direct = httpx.post(
+        f"{aggregated_servers[0].base_url}/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0},
+        timeout=60,
+    ).json()
+    assert text == direct["choices"][0]["message"]["content"]
 
 
 def test_completion_equals_the_backends_own_greedy_answer(

@@ -45,6 +45,11 @@ def wait_for_kv_events(gateway_url: str, backend: str, what: str, above: float) 
         time.sleep(0.05)
 
 
+def index_matched_tokens(gateway_url: str) -> float:
+    """Prompt tokens the gateway's prefix index matched, summed over requests (longest match each)."""
+    return metric_total(gateway_url, "hetgate:index_matched_tokens_total")
+
+
 def total_prefix_hits(servers: list[VllmServer]) -> float:
     return sum(metric_total(server.base_url, "vllm:prefix_cache_hits_total") for server in servers)
 
@@ -142,3 +147,9 @@ def test_kv_events_point_hetgate_at_prefixes_cached_behind_its_back(
     for prefix in prefixes[1:3]:
         response = complete(gateway.url, f"{prefix}# after the reset\n")
         assert route_fields(response.headers[ROUTE_HEADER])["backend"] == second.spec.name
+    # The first server's prefixes are forgotten: the index matches none of their tokens any more (the
+    # backend such a request lands on is the rotation's choice, so it proves nothing).
+    for prefix in (prefixes[0], prefixes[3]):
+        matched = index_matched_tokens(gateway.url)
+        complete(gateway.url, f"{prefix}# after the reset\n")
+        assert index_matched_tokens(gateway.url) == matched, "a cleared backend's blocks still match"
