@@ -182,16 +182,27 @@ class CostRanker(SimpleRanker):
         own = prompt + out / 2.0
         s = work.steps(new, cached, own, seqs, context, c.prefill_tokens, c.prefill_len)
         base, step = s.base, s.step
-        wait = k * s.wait
+        queue = k * s.wait
+        # A request that arrives mid-step waits for that step to end: half of one on average. Counted
+        # for every plan alike, since a split's decode leg waits for step boundaries too (below):
+        # counted for splits alone, it made them look slower than serving whole (bursts on B200 + 2x
+        # H100, `auto`: 17 -> 3.6 requests/s of SLO capacity).
+        wait = queue + 0.5 * base
         compute = k * s.prefill
         # The marginal decode step. A backend's first sequence pays the step's fixed part (weights read,
         # overhead) unless `idle_is_free`: see `choose`.
         decode_cost = out * (step - (np.maximum(base, work.fixed_step) if idle_is_free else base))
         # Chunked prefill shares the decode steps: the prefill queued here stretches them (taken as
-        # the backend's ongoing prefill traffic), and a split's first token waits for one chunk.
-        tpot = step + wait / out
+        # the backend's ongoing prefill traffic).
+        tpot = step + queue / out
+        # A split's decode leg joins the waiting queue behind that prefill (vLLM admits waiting requests
+        # first come, first served, while a step's token budget lasts), so it is admitted in the step of
+        # the queue's last chunk; then its KV is pulled, it waits for the next step boundary and runs
+        # one step: about two steps besides the queue and the transfer. Priced as one step after one
+        # chunk, the pair corrections learnt the rest as transfer time (10x, their clip, on the AMD
+        # seed cluster's conversations).
         chunk_share = np.minimum(1.0, self.chunk_tokens / np.maximum(c.prefill_tokens, 1.0))
-        first_step = step + wait * chunk_share
+        first_step = 2.0 * step + queue * (1.0 - chunk_share)
         kv_ok = context + prompt + out <= 0.95 * work.kv_capacity
         stall = k * s.stall
         delay = compute * _cobatched(c.prefill_tokens, c.prefill_len, new, self.chunk_tokens)
@@ -336,7 +347,9 @@ class CostRanker(SimpleRanker):
         tpot = (p.tpot * cl.tpot_factor)[decode_rows][None, :]
         decode_time = (p.first_step + out * p.tpot + harms[1])[decode_rows][None, :]
         decode_cost = (cl.price * p.decode_cost + harms[1])[decode_rows][None, :]
-        ttft = ready + transfer + p.first_step[decode_rows][None, :]
+        # The decoder's steps as its measured TPOT corrects them: uncorrected, the pair correction
+        # learnt the decoder's step error as transfer time.
+        ttft = ready + transfer + (p.first_step * cl.tpot_factor)[decode_rows][None, :]
         finish = ready + transfer + decode_time + harms[0][prefill_rows][:, None]
         cost = prefill_cost + decode_cost
         ok = (ttft <= slo[0]) & (tpot <= slo[1]) & p.kv_ok[decode_rows][None, :]

@@ -177,27 +177,36 @@ class WorkModel:
 
         - `base`, `step`: one decode step of the running batch, without and with this request
           (`own_context` tokens of context);
-        - `wait`: the prefill queued ahead (`prefill_tokens` of prompts `prefill_len` long, in one
-          roofline pass: chunks of several prompts batch together), with the decode steps it rides;
-        - `prefill`: this request's own prefill of `new_tokens` after `cached_tokens`, likewise;
+        - `wait`: the prefill queued ahead (`prefill_tokens` of prompts `prefill_len` long), in one
+          roofline pass with the running batch (chunks of several prompts batch together, and the
+          decodes ride them), plus one decode step per further chunk;
+        - `prefill`: what this request's own prefill of `new_tokens` after `cached_tokens` adds to
+          that: the queue and the prompt in one pass, minus the queue. A step reads the weights once
+          for every prompt and decode in it; priced apart, a prompt joining a short queue paid the
+          weights twice, and the compute correction learnt from those TTFTs drifted to half the
+          truth (AMD seed cluster, conversation trace: 1.4 for a true 2.7);
         - `stall`: how much longer the running batch's steps take, in all, while that prefill shares
           them (chunked prefill): the mixed step minus the decode-only one, weights counted once.
         """
         zero = np.zeros_like(seqs)
         own_pairs = causal_pairs(new_tokens, cached_tokens)
         queued_pairs = prefill_tokens / prefill_len * causal_pairs(prefill_len, 0)
+        total_tokens = prefill_tokens + new_tokens
         rows = self._step_time(
-            np.stack((zero, zero, prefill_tokens, new_tokens + zero, new_tokens + zero)),
-            np.stack((zero, zero, queued_pairs, own_pairs + zero, own_pairs + zero)),
-            np.stack((seqs, seqs + 1.0, zero, zero, seqs)),
-            np.stack((context, context + own_context, zero, zero, context)),
+            np.stack((zero, zero, prefill_tokens, total_tokens, new_tokens + zero)),
+            np.stack((zero, zero, queued_pairs, queued_pairs + own_pairs, own_pairs + zero)),
+            np.stack((seqs, seqs + 1.0, seqs, seqs, seqs)),
+            np.stack((context, context + own_context, context, context, context)),
         )
-        base, step, queued, own, mixed = rows
+        base, step, queued, together, mixed = rows
+        # A queue of n chunks takes one pass and n - 1 more decode steps; an empty one takes nothing.
+        wait = queued + self.riding_s(prefill_tokens, base) - base
+        first_token = together + self.riding_s(total_tokens, base) - base
         return Steps(
             base=base,
             step=step,
-            wait=queued + self.riding_s(prefill_tokens, base),
-            prefill=own + self.riding_s(new_tokens, base),
+            wait=wait,
+            prefill=first_token - wait,
             stall=np.maximum(mixed - base, 0.0),
         )
 

@@ -422,3 +422,62 @@ def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_canno
     roofline = CostRanker(deepseek).predicted_ttft(long_prompt(), cluster())
     assert ranker.predicted_ttft(long_prompt(), cluster()) / roofline == pytest.approx([4.0, 2.0], rel=0.02)
 
+
+def decode_base(ranker: CostRanker, c: Candidates) -> np.ndarray:
+    """Each backend's decode step of its running batch (without the new request), as `_price` sees it."""
+    work = ranker._cluster(c.specs).work
+    n = len(c.specs)
+    context = work.context(c.context_tokens, c.kv_usage)
+    own = long_prompt()
+    return work.steps(
+        np.full(n, float(own.prompt_tokens)), np.zeros(n), own.prompt_tokens + own.max_tokens / 2,
+        c.decode_seqs, context, c.prefill_tokens, c.prefill_len,
+    ).base  # fmt: skip
+
+
+def test_a_split_decode_leg_waits_for_the_decoders_queue_and_two_step_boundaries(deepseek):
+    """The decode leg of a split is admitted behind the prefill queued on its decoder (vLLM admits the
+    waiting queue in order) in the step of the queue's last chunk, then pulls its KV and waits for a
+    step boundary before its first step."""
+    ranker = CostRanker(deepseek)
+    decoding = BackendStats(in_flight=8, decode_seqs=8, context_tokens=8 * 2000)
+    busy = BackendStats(
+        in_flight=11, prefill_tokens=3 * 8192, prefill_seqs=3, decode_seqs=8, context_tokens=16000
+    )
+    c = cluster((decoding, busy))
+    p = ranker._price(long_prompt(), c, ranker._cluster(c.specs))
+    queue = p.wait - 0.5 * decode_base(ranker, c)
+    assert queue[0] == pytest.approx(0.0, abs=1e-12)
+    assert p.first_step[0] == pytest.approx(2 * p.step[0])
+    assert p.first_step[1] == pytest.approx(2 * p.step[1] + queue[1] * 2 / 3)  # all but the last of 3 chunks
+
+
+def test_a_request_waits_for_the_step_in_progress(deepseek):
+    """Half a step on average on a backend that is decoding; nothing on an idle one."""
+    ranker = CostRanker(deepseek)
+    decoding = BackendStats(in_flight=8, decode_seqs=8, context_tokens=8 * 2000)
+    c = cluster((BackendStats(), decoding))
+    p = ranker._price(long_prompt(), c, ranker._cluster(c.specs))
+    base = decode_base(ranker, c)
+    assert base[1] > 0
+    assert p.wait[0] == 0.0
+    assert p.wait[1] == pytest.approx(0.5 * base[1])
+
+
+def test_a_split_prices_the_decoders_steps_as_its_measured_tpot_corrects_them(deepseek):
+    """Otherwise the pair correction learns the decoder's slow steps as transfer time."""
+    router = build_router("cost", "always", model=deepseek)
+    ranker = router.ranker
+    c = cluster(roles=(P, D))
+    for _ in range(100):  # the decoder's steps take twice what the roofline says
+        pred = Prediction(compute_s=0.1, ttft_s=0.1, tpot_s=0.01)
+        ranker.observe(
+            Outcome("mi308x-0", Mode.AGGREGATED, 8000, 0, 64, 0.1, 1.0, predicted=pred, tpot_s=0.02)
+        )
+    assert ranker.tpot_correction("mi308x-0") == pytest.approx(2.0, rel=0.02)
+    plan = router.plan(long_prompt(), c)
+    assert plan.mode is Mode.PD
+    pred = plan.predicted
+    first_steps = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
+    uncorrected = ranker._price(long_prompt(), c, ranker._cluster(c.specs)).first_step[1]
+    assert first_steps == pytest.approx(2.0 * uncorrected, rel=0.03)
