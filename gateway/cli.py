@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def bench_parser() -> argparse.ArgumentParser:
     """Only for `hetgate bench --help` and usage errors: each benchmark parses its own flags."""
-    listing = "\n".join(f"  {name:<11}{summary}" for name, (_, summary) in BENCHMARKS.items())
+    width = max(map(len, BENCHMARKS)) + 2
+    listing = "\n".join(f"  {name:<{width}}{summary}" for name, (_, summary) in BENCHMARKS.items())
     return argparse.ArgumentParser(
         prog="hetgate bench",
         usage=f"hetgate bench {{{','.join(BENCHMARKS)}}} [options]",
