@@ -56,8 +56,9 @@ Ties keep a rotating order, so identical backends share the load.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -76,6 +77,7 @@ from scoring.types import (
     BackendSpec,
     Candidates,
     Disaggregation,
+    Joined,
     Leg,
     Mode,
     Outcome,
@@ -86,6 +88,7 @@ from scoring.types import (
 
 _CLIP = (0.1, 10.0)
 _TPOT_CLIP = (0.5, 4.0)
+_PLANNED_KEPT = 64  # per backend: more than a step's worth of queued prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +171,7 @@ class CostRanker(SimpleRanker):
         self._pair_correction: dict[tuple[str, str], float] = {}
         self._tpot_correction: dict[str, float] = {}
         self._tpot_prior = 1.0
+        self._planned: dict[str, deque[Joined]] = {}  # per backend, the last prefills planned
 
     # --- pricing ---------------------------------------------------------------------------------------
     def _price(
@@ -254,6 +258,32 @@ class CostRanker(SimpleRanker):
 
     # --- the choice ------------------------------------------------------------------------------------
     def choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan:
+        plan = self._choose(request, candidates, split)
+        if plan.predicted is None:
+            return plan
+        row = plan.prefill[0] if plan.mode is Mode.PD else plan.aggregated[0]
+        joined = self._join(request, candidates, row, plan.predicted.compute_s)
+        return replace(plan, predicted=replace(plan.predicted, joined=joined))
+
+    def _join(self, request: RequestFeatures, c: Candidates, row: int, compute_s: float) -> Joined:
+        """Book a planned prefill on its backend: it joins the step of the prompts in the queue's last,
+        partly filled chunk (the most recently planned there, as vLLM admits them in order), and
+        lengthens that step by its own share of it; then it waits for later ones to join its own."""
+        prompt = request.prompt_tokens
+        new = max(prompt - min(int(c.cached_tokens[row]), prompt - 1), 1)
+        rest = float(c.prefill_tokens[row]) % self.chunk_tokens
+        added = compute_s * min(new, self.chunk_tokens - rest) / new
+        booked = self._planned.setdefault(c.specs[row].id, deque(maxlen=_PLANNED_KEPT))
+        for earlier in reversed(booked):
+            if rest <= 0:
+                break
+            earlier.seconds += added
+            rest -= earlier.tokens
+        joined = Joined(float(new))
+        booked.append(joined)
+        return joined
+
+    def _choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan:
         c = candidates
         healthy = c.healthy
         # Aggregated serving runs on any backend that may decode (a decode-only vLLM serves a request
@@ -382,7 +412,10 @@ class CostRanker(SimpleRanker):
             return
         if outcome.leg in (Leg.AGGREGATED, Leg.PREFILL):
             backend = outcome.backend_id
-            k = self._learn(self.correction(backend), outcome.ttft_s, pred.compute_s, pred.wait_s)
+            # The prompts that joined its step after it was planned are queue, not slowness: without
+            # them, a burst's first prompts taught its backend 2.4x the compute correction it has.
+            joined = pred.joined.seconds if pred.joined is not None else 0.0
+            k = self._learn(self.correction(backend), outcome.ttft_s, pred.compute_s, pred.wait_s + joined)
             if k is not None:
                 self._correction[backend] = k
                 self._refresh_compute_factors()

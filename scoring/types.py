@@ -142,6 +142,17 @@ class Candidates:
         )
 
 
+@dataclass(slots=True)
+class Joined:
+    """A planned prefill's share of the later ones: the seconds that prompts planned after it added to
+    the engine step it finishes in (vLLM fills a step with waiting prompts, and they finish together).
+    Its policy adds them as it plans; at plan time they are unknown, so they are not in `Prediction`'s
+    times, and calibration counts them with the queue (not as slowness)."""
+
+    tokens: float  # the request's own prefill tokens on its backend
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """What a pricing policy (`cost`) expects of the plan it chose, in seconds.
@@ -150,7 +161,7 @@ class Prediction:
     prefill backend (the aggregated one when not split); `transfer_s` the KV transfer (0 when not
     split); `ttft_s` their sum plus the first decode step after a split; `tpot_s` the decode step at the
     batch and context the request joins. Outcomes carry them back so calibration can tell queue from
-    compute (`scoring/outcome.py`).
+    compute (`scoring/outcome.py`); `joined` grows after the plan (see `Joined`).
     """
 
     wait_s: float = 0.0
@@ -158,6 +169,7 @@ class Prediction:
     transfer_s: float = 0.0
     ttft_s: float = 0.0
     tpot_s: float = 0.0
+    joined: Joined | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
