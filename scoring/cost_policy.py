@@ -262,13 +262,15 @@ class CostRanker(SimpleRanker):
         if plan.predicted is None:
             return plan
         row = plan.prefill[0] if plan.mode is Mode.PD else plan.aggregated[0]
-        joined = self._join(request, candidates, row, plan.predicted.compute_s)
+        joined = self._join(request, candidates, row, plan.predicted)
         return replace(plan, predicted=replace(plan.predicted, joined=joined))
 
-    def _join(self, request: RequestFeatures, c: Candidates, row: int, compute_s: float) -> Joined:
+    def _join(self, request: RequestFeatures, c: Candidates, row: int, predicted: Prediction) -> Joined:
         """Book a planned prefill on its backend: it joins the step of the prompts in the queue's last,
         partly filled chunk (the most recently planned there, as vLLM admits them in order), and
-        lengthens that step by its own share of it; then it waits for later ones to join its own."""
+        lengthens that step by its own share of it; then it waits for later ones to join its own,
+        unless nothing is ahead of it (an idle backend starts its step at once: later prompts wait)."""
+        compute_s = predicted.compute_s
         prompt = request.prompt_tokens
         new = max(prompt - min(int(c.cached_tokens[row]), prompt - 1), 1)
         rest = float(c.prefill_tokens[row]) % self.chunk_tokens
@@ -277,9 +279,10 @@ class CostRanker(SimpleRanker):
         for earlier in reversed(booked):
             if rest <= 0:
                 break
-            earlier.seconds += added
+            if earlier.joinable:
+                earlier.seconds += added
             rest -= earlier.tokens
-        joined = Joined(float(new))
+        joined = Joined(float(new), joinable=predicted.wait_s > 0)
         booked.append(joined)
         return joined
 

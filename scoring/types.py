@@ -150,6 +150,7 @@ class Joined:
     times, and calibration counts them with the queue (not as slowness)."""
 
     tokens: float  # the request's own prefill tokens on its backend
+    joinable: bool = True  # False: it starts at once on an idle backend, a step no later prompt joins
     seconds: float = 0.0
 
 

@@ -12,7 +12,7 @@ from bench.sim.des import Simulation
 from scoring.cost import DEFAULT_EFFICIENCY, prefill_time
 
 
-@pytest.mark.parametrize(("scenario", "tolerance"), [("bursty@nvidia", 0.2), ("azure-conv@amd", 0.15)])
+@pytest.mark.parametrize(("scenario", "tolerance"), [("bursty@nvidia", 0.1), ("azure-conv@amd", 0.1)])
 def test_learnt_compute_corrections_approach_the_truth(scenario: str, tolerance: float) -> None:
     sc = build_scenario(scenario, 200)
     cluster = cluster_named(sc.cluster)
