@@ -184,7 +184,7 @@ class WorkModel:
           that: the queue and the prompt in one pass, minus the queue. A step reads the weights once
           for every prompt and decode in it; priced apart, a prompt joining a short queue paid the
           weights twice, and the compute correction learnt from those TTFTs drifted to half the
-          truth (AMD seed cluster, conversation trace: 1.4 for a true 2.7);
+          truth (AMD seed cluster, conversation trace: MI300X 1.53 for a true 2.71);
         - `stall`: how much longer the running batch's steps take, in all, while that prefill shares
           them (chunked prefill): the mixed step minus the decode-only one, weights counted once.
         """
