@@ -586,7 +586,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "(default: seed case, 12 requests, 0.3x the bound)",
     )
     add("--time-scale", type=float, default=1.0, help="--http: simulated seconds per wall second")
-    add("--target", action="append", default=[], help="--http: NAME=URL of an external router to compare")
+    add(
+        "--target",
+        action="append",
+        default=[],
+        help="--http: NAME=URL of an external router to compare, or NAME=COMMAND to start it per point "
+        "({port}, {workers} filled in)",
+    )
     add("--quiet", action="store_true", help="no progress lines")
     return parser.parse_args(list(argv))
 

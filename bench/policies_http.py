@@ -6,8 +6,12 @@ by the same roofline as the discrete-event mode, `--time-scale` simulated second
 streamed /v1/completions with token-id prompts (exact prompt lengths). Times are reported in simulated
 seconds, so a row is comparable with the DES row of the same point. `--target NAME=URL` sends the same load
 to an external OpenAI-compatible router instead of hetgate: configure it with the backends' URLs from the
-cluster's config file (the sims listen on those ports when a target is given). Fresh processes per point,
-so no cache or learnt correction carries over from one point to the next.
+cluster's config file (the sims listen on those ports when a target is given). `--target NAME=COMMAND`
+starts the router itself for each point, after the sims, with `{port}` and `{workers}` (the sims' URLs,
+space-separated) filled in, e.g. `sglang=python -m sglang_router.launch_router --host 127.0.0.1
+--port {port} --policy cache_aware --worker-urls {workers}`.
+Fresh processes per point (the external router too when launched), so no cache, prefix tree or learnt
+correction carries over from one point to the next.
 
 Utilisation is not measured over HTTP (the sims do not export busy time); `utilisation` is empty there.
 """
@@ -18,8 +22,11 @@ import asyncio
 import contextlib
 import json
 import re
+import shlex
+import subprocess
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlparse
@@ -28,7 +35,7 @@ import aiohttp
 import numpy as np
 
 from bench.clusters import Cluster
-from bench.harness import GatewayProcess
+from bench.harness import GatewayProcess, free_port
 from bench.policies import (
     Outcome,
     Plan,
@@ -133,12 +140,16 @@ async def _one(
     return Outcome(ok, to_sim(sent), to_sim(first), to_sim(finish), tokens, "mode=pd" in route, backends)
 
 
-async def _wait_ready(url: str, timeout_s: float = 120.0) -> None:
+async def _wait_ready(
+    url: str, timeout_s: float = 120.0, process: subprocess.Popen[bytes] | None = None
+) -> None:
     """An external router may find its workers only after they start: wait until its /v1/models answers
     with anything but a server error (a 503 says it has no worker yet; a bare proxy may say 405)."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
         while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"the router exited ({process.returncode}) before {url} answered")
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 async with session.get(f"{url}/v1/models") as response:
                     if response.status < 500:
@@ -176,14 +187,15 @@ def run_http(
     text_prompts: bool = False,
 ) -> Row:
     """One point over HTTP: hetgate with `policy`, or the external router `target` = (name, url). The sims
-    listen on `sim_ports`; by default on free ports, or with a target on the ports of the config's URLs."""
+    listen on `sim_ports`; by default on free ports, or with a running router (`target` a URL) on the ports
+    of the config's URLs."""
     cluster = cluster_named(scenario.cluster)
     requests = scenario.at_rate(rate)
     model = cluster.config.models[0].name
     ports: list[int | None] = [None] * len(cluster.ids)
     if sim_ports is not None:
         ports = list(sim_ports)
-    elif target is not None:
+    elif target is not None and _is_url(target[1]):  # a running router was configured with these
         ports = [urlparse(b.base_url).port for b in cluster.config.backends]
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -201,9 +213,11 @@ def run_http(
         if target is None:
             gateway = stack.enter_context(GatewayProcess(gateway_config(cluster, urls, policy)))
             front = gateway.url
-        else:
+        elif _is_url(target[1]):
             front = target[1].rstrip("/")
             asyncio.run(_wait_ready(front))
+        else:
+            front = stack.enter_context(launched_router(target[1], urls))
         outcomes = asyncio.run(replay(front, model, requests, time_scale, text_prompts))
         hits, queries, finished = asyncio.run(_scrape(urls))
     extra = {
@@ -221,13 +235,46 @@ def run_http(
     return row
 
 
+@contextlib.contextmanager
+def launched_router(command: str, workers: Sequence[str]) -> Iterator[str]:
+    """Start an external router from `command` ({port}, {workers} filled in) in front of `workers`; yield
+    its URL once /v1/models answers; stop it after. Its output goes to a temporary log, shown on failure."""
+    port = free_port()
+    argv = shlex.split(command.format(port=port, workers=" ".join(workers)))
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            try:
+                asyncio.run(_wait_ready(url, process=process))
+            except RuntimeError as error:
+                log.seek(0)
+                output = log.read()[-2000:].decode(errors="replace")
+                raise RuntimeError(f"{error}; its output ends:\n{output}") from error
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _is_url(where: str) -> bool:
+    return where.startswith(("http://", "https://"))
+
+
 def parse_targets(specs: Sequence[str]) -> list[tuple[str, str]]:
+    """NAME=URL (a router already running) or NAME=COMMAND (started per point; see the module doc)."""
     out = []
     for spec in specs:
-        name, sep, url = spec.partition("=")
-        if not sep or not name or not url.startswith(("http://", "https://")):
-            raise SystemExit(f"--target wants NAME=URL (http...), not {spec!r}")
-        out.append((name, url))
+        name, sep, where = spec.partition("=")
+        if not sep or not name or not where.strip():
+            raise SystemExit(f"--target wants NAME=URL or NAME=COMMAND, not {spec!r}")
+        if not _is_url(where) and "{port}" not in where:
+            raise SystemExit(f"--target {name}: a command needs {{port}} and usually {{workers}}: {where!r}")
+        out.append((name, where))
     return out
 
 

@@ -67,8 +67,20 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes], timeout_s: floa
     raise AssertionError(f"nothing listens on {port} after {timeout_s} s")
 
 
-def test_targets_need_a_name_and_an_http_url() -> None:
+def test_a_launched_router_is_started_per_point_in_front_of_the_sims() -> None:
+    # NAME=COMMAND: the bench starts the router after the sims, with {port} and {workers} filled in, and
+    # stops it after the point. The floor proxy takes one upstream: `sh` hands it the first worker.
+    command = f"sh -c 'exec {sys.executable} -m bench.floor_proxy \"$0\" {{port}}' {{workers}}"
+    scenario = pb.Scenario("seed-launch", "amd", tuple(w.fixed_lengths(3, 4096, 4, name="la")), "poisson")
+    row = run_http(scenario, 0.5, "", pb.Slo(), 2.0, target=("floor", command))
+    assert row.policy == "target:floor" and row.completed == 3
+    assert row.requests_per_backend == {"mi300x-0": 3, "mi308x-0": 0, "mi308x-1": 0}
+
+
+def test_targets_need_a_name_and_a_url_or_a_command_with_a_port() -> None:
     assert parse_targets(["sglang=http://127.0.0.1:30000"]) == [("sglang", "http://127.0.0.1:30000")]
-    for bad in ("sglang", "=http://x", "sglang=ftp://x"):
+    launch = "sglang=python -m sglang_router.launch_router --port {port} --worker-urls {workers}"
+    assert parse_targets([launch]) == [("sglang", launch.partition("=")[2])]
+    for bad in ("sglang", "=http://x", "sglang=", "sglang=python -m router --worker-urls {workers}"):
         with pytest.raises(SystemExit):
             parse_targets([bad])
