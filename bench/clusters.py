@@ -25,7 +25,15 @@ from bench.sim.des import SimBackend
 from bench.workloads import WorkloadRequest
 from gateway.config import GatewayConfig
 from scoring.catalog import Catalog, ModelSpec, load_catalog
-from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_capacity_tokens, step_time
+from scoring.cost import (
+    DEFAULT_EFFICIENCY,
+    Efficiency,
+    Hardware,
+    causal_pairs,
+    kv_capacity_tokens,
+    prefill_time,
+    step_time,
+)
 from scoring.types import BackendSpec, Role
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -157,3 +165,104 @@ def fluid_bound(cluster: Cluster, requests: Sequence[WorkloadRequest]) -> FluidB
         {i: float(x) for i, x in zip(cluster.ids, p * prefill_s, strict=True)},
         {i: float(x) for i, x in zip(cluster.ids, d * decode_s, strict=True)},
     )
+
+
+# --- the SLO bound ----------------------------------------------------------------------------------------
+def slo_bound(
+    cluster: Cluster,
+    requests: Sequence[WorkloadRequest],
+    ttft_limits: np.ndarray,
+    tpot_limits: np.ndarray,
+    goal: float = 0.9,
+) -> float:
+    """The most requests per second any policy could serve with `goal` of them within their SLO: the
+    fluid bound's LP with the SLO's constraints, so the SLO capacity of every policy lies below it.
+
+    - A request may prefill only where its unloaded TTFT (ideal prefix cache, no queue) meets its limit.
+    - Each backend decodes at the largest batch whose step meets the `goal` quantile of the TPOT limits
+      (at the mean context), instead of the largest that fits: TPOT caps the batch.
+    - Up to 1 - `goal` of the requests may miss, and they are taken to cost nothing.
+    Optimistic like the fluid bound (no queueing, no interference, KV transfer free)."""
+    from scipy.optimize import linprog
+
+    hw, model, eff = cluster.hardware(), cluster.model, cluster.efficiency
+    n = len(cluster.backends)
+    new, cached = new_tokens(requests)
+    outputs = np.array([r.max_tokens for r in requests], dtype=float)
+    can_p = np.array([Role.PREFILL in b.spec.roles for b in cluster.backends])
+    can_d = np.array([Role.DECODE in b.spec.roles for b in cluster.backends])
+    chunk = float(MAX_NUM_BATCHED_TOKENS)
+    per_token = np.asarray(step_time(model, hw, chunk, 0.0, 0, 0, eff)) / chunk
+    # Per request x backend: the prefill's share of the backend's time (full chunks), and whether its
+    # unloaded TTFT there meets the limit (a decode-only backend prefills the requests it serves whole).
+    busy = np.empty((len(requests), n))
+    feasible = np.empty((len(requests), n), dtype=bool)
+    for k in range(len(requests)):
+        pairs = causal_pairs(new[k], cached[k])
+        busy[k] = (
+            per_token * new[k] + np.asarray(step_time(model, hw, chunk, pairs, 0, 0, eff)) - per_token * chunk
+        )
+        feasible[k] = (np.asarray(prefill_time(model, hw, new[k], cached[k], eff)) <= ttft_limits[k]) & (
+            can_p | can_d
+        )
+    lenient = float(np.quantile(tpot_limits, goal))
+    decode_s = _slo_decode_seconds(cluster, requests, lenient, outputs) * can_d
+    # Requests with the same feasible backends form one group: x[g, i] = group g's prefills on i.
+    groups, member = np.unique(feasible, axis=0, return_inverse=True)
+    member = member.ravel()
+    share = np.bincount(member, minlength=len(groups)) / len(requests)
+    mean_busy = np.array([busy[member == g].mean(axis=0) for g in range(len(groups))])
+    nx, g_count = len(groups) * n, len(groups)
+    # Variables: x (g, i) flattened, d_i, rate.
+    size = nx + n + 1
+    cost = np.zeros(size)
+    cost[-1] = -1.0
+    x_bounds = [(0.0, None if groups[g, i] else 0.0) for g in range(g_count) for i in range(n)]
+    bounds = x_bounds + [(0.0, None if ok else 0.0) for ok in can_d & (decode_s > 0)] + [(0.0, None)]
+    rows, limits = [], []
+    for i in range(n):  # each backend's time
+        row = np.zeros(size)
+        row[i:nx:n] = mean_busy[:, i]
+        row[nx + i] = decode_s[i]
+        rows.append(row)
+        limits.append(1.0)
+        if can_d[i] and not can_p[i]:  # prefills only what it decodes itself
+            own = np.zeros(size)
+            own[i:nx:n], own[nx + i] = 1.0, -1.0
+            rows.append(own)
+            limits.append(0.0)
+    for g in range(g_count):  # a group is served at most at its arrival rate
+        row = np.zeros(size)
+        row[g * n : (g + 1) * n] = 1.0
+        row[-1] = -share[g]
+        rows.append(row)
+        limits.append(0.0)
+    served = np.zeros(size)  # at least `goal` of the arrivals served
+    served[:nx], served[-1] = -1.0, goal
+    decoded = np.zeros(size)  # every served request decoded somewhere
+    decoded[:nx], decoded[nx : nx + n] = 1.0, -1.0
+    lp = linprog(
+        cost, A_ub=np.vstack([*rows, served]), b_ub=np.array([*limits, 0.0]),
+        A_eq=decoded[None, :], b_eq=[0.0], bounds=bounds,
+    )  # fmt: skip
+    return float(lp.x[-1]) if lp.status == 0 else 0.0
+
+
+def _slo_decode_seconds(
+    cluster: Cluster, requests: Sequence[WorkloadRequest], tpot_limit: float, outputs: np.ndarray
+) -> np.ndarray:
+    """Per backend: decode seconds per request at the largest batch whose step meets `tpot_limit` (0 where
+    not even one sequence does), each sequence at the mean context over its output."""
+    hw, model, eff = cluster.hardware(), cluster.model, cluster.efficiency
+    context = float(np.mean([r.prompt_len for r in requests]) + outputs.mean() / 2)
+    most = np.array([b.spec.max_num_seqs for b in cluster.backends], dtype=float)
+    most = np.maximum(1.0, np.minimum(most, kv_capacity_tokens(model, hw, eff) // context))
+    out = np.zeros(len(cluster.backends))
+    for i in range(len(cluster.backends)):
+        sizes = np.arange(1.0, most[i] + 1.0)
+        steps = np.asarray(step_time(model, hw, 0, 0, sizes[:, None], sizes[:, None] * context, eff))[:, i]
+        fits = np.flatnonzero(steps <= tpot_limit)
+        if fits.size:
+            b = fits[-1]
+            out[i] = steps[b] / sizes[b] * float(outputs.mean())
+    return out

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from bench import workloads as w
-from bench.clusters import CLUSTERS, Cluster, FluidBound, fluid_bound, load_cluster
+from bench.clusters import CLUSTERS, Cluster, FluidBound, fluid_bound, load_cluster, slo_bound
 from bench.sim.des import DesResult, Simulation
 from bench.sim.scheduler import SchedulerCore, StepOutput
 from scoring.cost import decode_step_time, prefill_time
@@ -453,13 +453,17 @@ def sweep(plan: Plan, jobs: int = 1, progress: Callable[[Row], None] | None = No
 
 
 def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
-    bounds = {}
+    bounds, slo_bounds = {}, {}
     for name in plan.scenarios:
-        b = scenario_bound(get_scenario(name, plan.requests))
+        scenario = get_scenario(name, plan.requests)
+        b = scenario_bound(scenario)
         bounds[name] = {
             "requests_per_s": round(b.requests_per_s, 4),
             "output_tok_per_s": round(b.output_tok_per_s, 2),
         }
+        cluster = cluster_named(scenario.cluster)
+        ttft, tpot = plan.slo.limits(cluster, scenario.requests)
+        slo_bounds[name] = round(slo_bound(cluster, scenario.requests, ttft, tpot, GOAL), 4)
     return {
         "plan": {
             "scenarios": plan.scenarios,
@@ -471,6 +475,7 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
             "goal": GOAL,
         },
         "fluid_bound": bounds,
+        "slo_bound": slo_bounds,  # requests/s: no policy's SLO capacity can exceed it
         "rows": [asdict(r) for r in rows],
         "capacity": capacities(rows),
     }
@@ -507,6 +512,7 @@ def print_report(data: dict[str, Any]) -> None:
         cap.add_column(p, justify="right")
     cap.add_column("cost/rr best", justify="right")
     cap.add_column("cost/prefix best", justify="right")
+    cap.add_column("SLO bound", justify="right")
     for entry in data["capacity"]:
         cells = [
             f"{entry['capacity'].get(p, float('nan')):.3g}{'*' if p in entry['censored'] else ''}"
@@ -516,6 +522,7 @@ def print_report(data: dict[str, Any]) -> None:
         cap.add_row(
             entry["scenario"], entry["mode"], *cells,
             _fmt(ratios.get("cost/round_robin (best)")), _fmt(ratios.get("cost/prefix (best)")),
+            f"{data.get('slo_bound', {}).get(entry['scenario'], float('nan')):.3g}",
         )  # fmt: skip
     console.print(cap)
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench import policies as pb
 from bench import workloads as w
-from bench.clusters import CLUSTERS, fluid_bound, load_cluster, new_tokens
+from bench.clusters import CLUSTERS, fluid_bound, load_cluster, new_tokens, slo_bound
 from bench.plan import ROLE_CHOICES, assess, recommend
 from bench.plan import main as plan_main
 from gateway.cli import main as cli_main
@@ -80,7 +80,7 @@ def test_report_has_capacities_ratios_and_bounds(
 ) -> None:
     plan, rows = quick_rows
     data = pb.report(plan, rows)
-    assert set(data["fluid_bound"]) == {"seed", "sysprompt@nvidia"}
+    assert set(data["fluid_bound"]) == set(data["slo_bound"]) == {"seed", "sysprompt@nvidia"}
     entry = next(e for e in data["capacity"] if e["scenario"] == "seed")
     assert set(entry["capacity"]) == set(plan.policies)
     assert "cost/round_robin (best)" in entry["ratios"]
@@ -133,6 +133,39 @@ def test_fluid_bound_respects_roles_and_never_shrinks_with_more_roles() -> None:
     assert 0 < decode_only.requests_per_s <= everything.requests_per_s  # each serves whole requests
     no_decode = cluster.with_roles([ROLE_CHOICES["prefill"]] * 3)
     assert fluid_bound(no_decode, requests).requests_per_s == 0.0
+
+
+def test_no_policy_serves_more_within_the_slo_than_the_slo_bound(
+    quick_rows: tuple[pb.Plan, list[pb.Row]],
+) -> None:
+    # The bound is a steady-state rate: compared with what a run served within its SLO per second of
+    # its makespan (arrivals and drain). A short run's SLO capacity (an arrival rate) may exceed it.
+    plan, rows = quick_rows
+    data = pb.report(plan, rows)
+    for row in rows:
+        bound = data["slo_bound"][row.scenario]
+        output = sum(r.max_tokens for r in pb.get_scenario(row.scenario, plan.requests).requests)
+        makespan = output / row.output_tok_per_s
+        assert 0 < row.goodput_frac * row.completed / makespan <= bound * 1.05, (row, bound)
+
+
+def test_slo_bound_follows_the_limits() -> None:
+    cluster = load_cluster(CLUSTERS["amd"], "amd")
+    requests = w.fixed_lengths(20, 4096, 128)
+    ttft, tpot = pb.Slo().limits(cluster, requests)
+    default = slo_bound(cluster, requests, ttft, tpot)
+    # With limits nobody could miss, only the 10 % allowed to miss separates it from the fluid bound.
+    loose = slo_bound(cluster, requests, ttft * 1e6, tpot * 1e6)
+    assert loose == pytest.approx(fluid_bound(cluster, requests).requests_per_s / pb.GOAL, rel=1e-6)
+    # The default TTFT (5x the MI300X's unloaded) only the MI300X meets: the MI308X prefill 5.6x slower.
+    # At 3x their limit the MI308X may prefill too.
+    ttft_only = slo_bound(cluster, requests, ttft, tpot * 1e6)
+    assert ttft_only < slo_bound(cluster, requests, ttft * 3, tpot * 1e6) == pytest.approx(loose)
+    # DeepSeek-R1's TPOT at 3x unloaded caps the decode batch below what fits: lower still.
+    assert 0 < default < ttft_only
+    # Nobody meets the TTFT, or no backend decodes one sequence within the TPOT: nothing is served.
+    assert slo_bound(cluster, requests, ttft * 0.01, tpot) == 0.0
+    assert slo_bound(cluster, requests, ttft, tpot * 0.01) == 0.0
 
 
 def test_bursty_arrivals_come_in_groups_at_the_mean_rate() -> None:
