@@ -154,9 +154,11 @@ def test_slo_bound_follows_the_limits() -> None:
     requests = w.fixed_lengths(20, 4096, 128)
     ttft, tpot = pb.Slo().limits(cluster, requests)
     default = slo_bound(cluster, requests, ttft, tpot)
-    # With limits nobody could miss, only the 10 % allowed to miss separates it from the fluid bound.
+    # With limits nobody could miss: about the fluid bound with 10 % allowed to miss (a little more: a
+    # step that mixes prefill and decode reads the weights once, which the fluid bound does not count).
     loose = slo_bound(cluster, requests, ttft * 1e6, tpot * 1e6)
-    assert loose == pytest.approx(fluid_bound(cluster, requests).requests_per_s / pb.GOAL, rel=1e-6)
+    fluid = fluid_bound(cluster, requests).requests_per_s / pb.GOAL
+    assert fluid <= loose <= 1.1 * fluid
     # The default TTFT (5x the MI300X's unloaded) only the MI300X meets: the MI308X prefill 5.6x slower.
     # At 3x their limit the MI308X may prefill too.
     ttft_only = slo_bound(cluster, requests, ttft, tpot * 1e6)
