@@ -477,8 +477,17 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
         "fluid_bound": bounds,
         "slo_bound": slo_bounds,  # requests/s: no policy's SLO capacity can exceed it
         "rows": [asdict(r) for r in rows],
-        "capacity": capacities(rows),
+        "capacity": _flag_transients(capacities(rows), slo_bounds),
     }
+
+
+def _flag_transients(entries: list[dict[str, Any]], slo_bounds: dict[str, float]) -> list[dict[str, Any]]:
+    """Name the policies whose SLO capacity lies above the scenario's SLO bound: no steady state serves
+    that rate, so the run ended before the queue it builds showed (too few requests for that rate)."""
+    for entry in entries:
+        bound = slo_bounds.get(entry["scenario"], float("inf"))
+        entry["above_slo_bound"] = sorted(p for p, c in entry["capacity"].items() if c > bound)
+    return entries
 
 
 # --- output ---------------------------------------------------------------------------------------------
@@ -503,7 +512,8 @@ def print_report(data: dict[str, Any]) -> None:
         )  # fmt: skip
     console.print(table)
     cap = Table(
-        title=f"SLO capacity (requests/s at which >= {GOAL:.0%} meet the SLO; * = at least, never missed)"
+        title=f"SLO capacity (requests/s at which >= {GOAL:.0%} meet the SLO; * = at least, never missed; "
+        "! = above the SLO bound: a transient, too few requests for that rate)"
     )
     policies = data["plan"]["policies"]
     cap.add_column("scenario")
@@ -516,6 +526,7 @@ def print_report(data: dict[str, Any]) -> None:
     for entry in data["capacity"]:
         cells = [
             f"{entry['capacity'].get(p, float('nan')):.3g}{'*' if p in entry['censored'] else ''}"
+            f"{'!' if p in entry.get('above_slo_bound', ()) else ''}"
             for p in policies
         ]
         ratios = entry["ratios"]

@@ -149,6 +149,20 @@ def test_no_policy_serves_more_within_the_slo_than_the_slo_bound(
         assert 0 < row.goodput_frac * row.completed / makespan <= bound * 1.05, (row, bound)
 
 
+def test_a_capacity_above_the_slo_bound_is_flagged_as_a_transient(
+    quick_rows: tuple[pb.Plan, list[pb.Row]],
+) -> None:
+    plan, rows = quick_rows
+    data = pb.report(plan, rows)
+    entry = next(e for e in data["capacity"] if e["scenario"] == "seed")
+    bound = data["slo_bound"]["seed"]
+    flagged = {p for p, c in entry["capacity"].items() if c > bound}
+    assert entry["above_slo_bound"] == sorted(flagged)
+    lowered = pb._flag_transients([{**entry, "above_slo_bound": []}], {"seed": 0.0})
+    assert lowered[0]["above_slo_bound"] == sorted(p for p, c in entry["capacity"].items() if c > 0)
+    assert lowered[0]["above_slo_bound"]  # some policy served the seed case within its SLO
+
+
 def test_slo_bound_follows_the_limits() -> None:
     cluster = load_cluster(CLUSTERS["amd"], "amd")
     requests = w.fixed_lengths(20, 4096, 128)
