@@ -9,14 +9,16 @@ discrete-event simulator (`bench/sim/des.py`, the real router built as the gatew
 replays a short check through the real gateway and `hetgate sim` backends instead (bench/policies_http.py).
 
 Rates default to a sweep from light load to past saturation: fractions of the cluster's fluid bound for
-that workload (bench/clusters.py). A request meets the SLO when its TTFT <= `--slo-ttft-s` and its TPOT
+that workload (bench/clusters.py), and of its SLO bound (the same LP under the SLO: no policy's steady
+state serves more within it). A request meets the SLO when its TTFT <= `--slo-ttft-s` and its TPOT
 <= `--slo-tpot-s`; by default 5x its prompt's unloaded TTFT and 3x the unloaded TPOT on the fastest backend.
 SLO capacity (DistServe's goodput) is the highest rate at which >= 90 % of requests meet it, interpolated
-linearly between the last swept rate that does and the first that does not.
+linearly between the last swept rate that does and the first that does not. A capacity above the SLO
+bound is flagged: the run ended before the queue that rate builds showed (more `--requests` needed).
 
     hetgate bench policies [--quick] [--scenarios A,B] [--policies cost/auto,...]
                            [--rates R1,R2 | --rate-fracs F1,F2] [--requests N] [--trace FILE]
-                           [--json FILE] [--plot FILE] [--jobs J] [--http [--target NAME=URL]]
+                           [--json FILE] [--plot FILE] [--jobs J] [--http [--target NAME=URL|NAME=COMMAND]]
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ GOAL = 0.9  # share of requests that must meet the SLO at a rate within the SLO 
 # Fractions of the fluid bound's request rate. The bound assumes full decode batches, which a finite run
 # rarely reaches, so the grid is dense at the low end, where the policies part ways.
 RATE_FRACS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0, 1.3)
+# Added to a full sweep, as fractions of the SLO bound: where the SLO binds far below the fluid bound
+# (DeepSeek-R1 on the AMD cluster: a fifth of it), the fluid grid has one point below the capacities.
+SLO_RATE_FRACS = (0.25, 0.5, 0.75, 1.0)
 QUICK_RATE_FRACS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.2)
 SYNTHETIC = ("sysprompt", "bursty", "multiturn")
 TRACES = ("mooncake", "azure-conv", "azure-code")
@@ -331,6 +336,7 @@ def _utilisation(sim: Simulation, result: DesResult) -> dict[str, float]:
 
 
 _BOUNDS: dict[tuple[str, int], FluidBound] = {}  # per process: (scenario, requests) -> its bound
+_SLO_BOUNDS: dict[tuple[str, int, Slo], float] = {}  # (scenario, requests, SLO) -> its SLO bound
 
 
 def scenario_bound(scenario: Scenario) -> FluidBound:
@@ -412,13 +418,27 @@ class Plan:
     rate_fracs: tuple[float, ...] = RATE_FRACS
     rates: tuple[float, ...] = ()  # absolute rates, the same for every scenario (overrides rate_fracs)
     slo: Slo = field(default_factory=Slo)
+    slo_fracs: tuple[float, ...] = ()  # more rates, as fractions of each scenario's SLO bound
 
 
 def rates_for(plan: Plan, scenario: Scenario) -> list[float]:
     if plan.rates:
         return list(plan.rates)
     peak = scenario_bound(scenario).requests_per_s
-    return [round(peak * f, 4) for f in plan.rate_fracs]
+    rates = {round(peak * f, 4) for f in plan.rate_fracs}
+    if plan.slo_fracs:
+        slo = scenario_slo_bound(scenario, plan.slo)
+        rates |= {round(slo * f, 4) for f in plan.slo_fracs if slo > 0}
+    return sorted(rates)
+
+
+def scenario_slo_bound(scenario: Scenario, slo: Slo) -> float:
+    key = (scenario.name, len(scenario.requests), slo)
+    if key not in _SLO_BOUNDS:
+        cluster = cluster_named(scenario.cluster)
+        ttft, tpot = slo.limits(cluster, scenario.requests)
+        _SLO_BOUNDS[key] = slo_bound(cluster, scenario.requests, ttft, tpot, GOAL)
+    return _SLO_BOUNDS[key]
 
 
 def _job(args: tuple[str, int, float, str, Slo]) -> Row:
@@ -461,9 +481,7 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
             "requests_per_s": round(b.requests_per_s, 4),
             "output_tok_per_s": round(b.output_tok_per_s, 2),
         }
-        cluster = cluster_named(scenario.cluster)
-        ttft, tpot = plan.slo.limits(cluster, scenario.requests)
-        slo_bounds[name] = round(slo_bound(cluster, scenario.requests, ttft, tpot, GOAL), 4)
+        slo_bounds[name] = round(scenario_slo_bound(scenario, plan.slo), 4)
     return {
         "plan": {
             "scenarios": plan.scenarios,
@@ -624,6 +642,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
         requests, fracs = args.requests or 50, QUICK_RATE_FRACS
     else:
         scenarios, requests, fracs = scenario_names(args.trace), args.requests or 300, RATE_FRACS
+    # A full sweep on its default grid also samples each scenario's SLO bound.
+    slo_fracs = SLO_RATE_FRACS if not (args.http or args.quick or args.rate_fracs or args.rates) else ()
     if args.scenarios:
         scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     known = set(scenario_names(args.trace))
@@ -638,7 +658,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
         fracs = tuple(float(x) for x in args.rate_fracs.split(","))
     rates = tuple(float(x) for x in args.rates.split(",")) if args.rates else ()
     slo = Slo(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s)
-    return Plan(scenarios, policies, requests, fracs, rates, slo)
+    return Plan(scenarios, policies, requests, fracs, rates, slo, slo_fracs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -249,3 +249,17 @@ def test_cli_registers_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["plan", "--config", "missing.yaml", "--trace", "missing.csv"]) == 2
     with pytest.raises(SystemExit):
         pb.plan_from(pb.parse_args(["--scenarios", "nope@amd"]))
+
+
+def test_a_full_sweep_also_samples_the_rates_where_the_slo_binds() -> None:
+    plan = pb.plan_from(pb.parse_args(["--scenarios", "seed", "--requests", "20"]))
+    scenario = pb.get_scenario("seed", 20)
+    fluid = pb.scenario_bound(scenario).requests_per_s
+    slo = pb.scenario_slo_bound(scenario, plan.slo)
+    rates = pb.rates_for(plan, scenario)
+    assert rates == sorted(rates)
+    assert {round(fluid * f, 4) for f in pb.RATE_FRACS} < set(rates)
+    assert {round(slo * f, 4) for f in pb.SLO_RATE_FRACS} <= set(rates)
+    # A grid the user names is swept as named.
+    named = pb.plan_from(pb.parse_args(["--scenarios", "seed", "--rate-fracs", "0.1,0.2"]))
+    assert pb.rates_for(named, scenario) == [round(fluid * 0.1, 4), round(fluid * 0.2, 4)]
