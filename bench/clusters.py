@@ -200,12 +200,9 @@ def slo_bound(
     outputs = float(np.mean([r.max_tokens for r in requests]))
     can_p = np.array([Role.PREFILL in b.spec.roles for b in cluster.backends])
     can_d = np.array([Role.DECODE in b.spec.roles for b in cluster.backends])
-    ttft_ok = np.array(
-        [
-            np.asarray(prefill_time(model, hw, new[k], cached[k], eff)) <= ttft_limits[k]
-            for k in range(len(new))
-        ]
-    ) & (can_p | can_d)  # a decode-only backend prefills the requests it serves whole
+    # A decode-only backend prefills the requests it serves whole.
+    unloaded = np.asarray(prefill_time(model, hw, new[:, None], cached[:, None], eff))
+    ttft_ok = (unloaded <= ttft_limits[:, None]) & (can_p | can_d)
     # Requests with the same TTFT-feasible backends form one group: x[g, i] = group g's prefills on i.
     groups, member = np.unique(ttft_ok, axis=0, return_inverse=True)
     member = member.ravel()

@@ -1,13 +1,13 @@
 """`hetgate plan --config CLUSTER.yaml --trace FILE`: which role each backend should play for this traffic.
 
 Every assignment of roles (prefill, decode, both) to the config's backends that leaves at least one
-backend able to prefill and one able to decode is priced by the cost model's fluid bound
-(bench/clusters.py) on the trace's requests. The best few by bound are then replayed in the discrete-event
-simulator (the real router, `--policy`, default cost/auto) at fractions of their bound, and each gets an
-SLO capacity: the highest request rate at which >= 90 % of requests meet the SLO (defaults as in
-`hetgate bench policies`). The recommendation is the assignment with the highest SLO capacity (then the
-highest throughput); the table shows, per assignment, the predicted goodput (requests/s within the SLO),
-throughput at the highest rate tried and the bound beside them.
+backend able to prefill and one able to decode is priced by the cost model's SLO bound and fluid bound
+(bench/clusters.py) on the trace's requests. The best few by SLO bound are then replayed in the
+discrete-event simulator (the real router, `--policy`, default cost/auto) at fractions of both bounds,
+and each gets an SLO capacity: the highest request rate at which >= 90 % of requests meet the SLO
+(defaults as in `hetgate bench policies`). The recommendation is the assignment with the highest SLO
+capacity (then the highest throughput); the table shows, per assignment, the predicted goodput (output
+tokens/s within the SLO), throughput at the highest rate tried and the bounds beside them.
 """
 
 from __future__ import annotations
@@ -21,8 +21,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench import workloads as w
-from bench.clusters import Cluster, fluid_bound, load_cluster
-from bench.policies import Row, Scenario, Slo, des_outcome, make_router, row_from, slo_capacity
+from bench.clusters import Cluster, fluid_bound, load_cluster, slo_bound
+from bench.policies import (
+    GOAL,
+    SLO_RATE_FRACS,
+    Row,
+    Scenario,
+    Slo,
+    des_outcome,
+    make_router,
+    row_from,
+    slo_capacity,
+)
 from bench.sim.des import Simulation
 from scoring.types import Role
 
@@ -40,6 +50,7 @@ class Assessment:
     roles: dict[str, str]
     bound_requests_per_s: float
     bound_output_tok_per_s: float
+    slo_bound_requests_per_s: float = 0.0  # no policy's steady state serves more within the SLO
     slo_capacity_requests_per_s: float = 0.0
     capacity_censored: bool = False
     goodput_output_tok_per_s: float = 0.0  # output tokens/s of the requests that met the SLO, at capacity
@@ -71,17 +82,26 @@ def assess(
     top: int,
     fracs: Sequence[float] = RATE_FRACS,
 ) -> list[Assessment]:
-    """Every assignment by fluid bound; the `top` best and the config's own also through the simulator."""
+    """Every assignment by SLO bound (then fluid bound); the `top` best and the config's own also through
+    the simulator."""
     scored = []
     now = tuple(b.spec.roles for b in cluster.backends)
+    ttft, tpot = slo.limits(cluster, requests)  # relative to the fastest hardware, whatever its roles
     for roles in assignments(cluster):
         candidate = cluster.with_roles(roles)
         bound = fluid_bound(candidate, requests)
         names = {b.spec.id: role_name(r) for b, r in zip(cluster.backends, roles, strict=True)}
         assessment = Assessment(names, bound.requests_per_s, bound.output_tok_per_s, current=roles == now)
+        assessment.slo_bound_requests_per_s = slo_bound(candidate, requests, ttft, tpot, GOAL)
         scored.append((candidate, assessment))
     # Ties in bound (a backend given both roles is never bounded lower) go to fewer roles: simpler to run.
-    scored.sort(key=lambda x: (-round(x[1].bound_requests_per_s, 3), _roles_count(x[1])))
+    scored.sort(
+        key=lambda x: (
+            -round(x[1].slo_bound_requests_per_s, 3),
+            -round(x[1].bound_requests_per_s, 3),
+            _roles_count(x[1]),
+        )
+    )
     for k, (candidate, assessment) in enumerate(scored):
         if k < top or assessment.current:
             _simulate(candidate, requests, policy, slo, fracs, assessment)
@@ -103,9 +123,12 @@ def _simulate(
     scenario = Scenario("plan", cluster.name, tuple(requests), "trace")
     limits = slo.limits(cluster, requests)
     bound = fluid_bound(cluster, requests)
+    # The fluid grid, and the SLO bound's where the SLO binds far below it.
+    rates = {bound.requests_per_s * f for f in fracs} | {
+        out.slo_bound_requests_per_s * f for f in SLO_RATE_FRACS
+    }
     rows: list[Row] = []
-    for frac in fracs:
-        rate = bound.requests_per_s * frac
+    for rate in sorted(r for r in rates if r > 0):
         sim = Simulation(cluster.model, cluster.backends, make_router(cluster, policy), cluster.efficiency)
         result = sim.run(scenario.at_rate(rate))
         outcomes = [des_outcome(r) for r in result.records]
@@ -134,11 +157,13 @@ def print_plan(config: str, assessed: Sequence[Assessment], best: Assessment, sh
 
     console = Console(width=150)
     ids = list(best.roles)
-    table = Table(title=f"hetgate plan: {config} (top {shown} by bound; simulated ones first)")
+    table = Table(title=f"hetgate plan: {config} (top {shown} by SLO bound; simulated ones first)")
     table.add_column("")
     for bid in ids:
         table.add_column(bid)
-    for col in ("SLO capacity req/s", "goodput tok/s", "throughput tok/s", "bound req/s", "bound tok/s"):
+    columns = ("SLO capacity req/s", "SLO bound req/s", "goodput tok/s", "throughput tok/s", "bound req/s",
+               "bound tok/s")  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="right")
     ordered = sorted(assessed, key=lambda a: (not a.simulated, -a.slo_capacity_requests_per_s))[:shown]
     for a in ordered:
@@ -148,6 +173,7 @@ def print_plan(config: str, assessed: Sequence[Assessment], best: Assessment, sh
             "config" if a.current else "",
             *[a.roles[b] for b in ids],
             f"{a.slo_capacity_requests_per_s:.3g}{mark}" if sim else "-",
+            f"{a.slo_bound_requests_per_s:.3g}",
             f"{a.goodput_output_tok_per_s:.0f}" if sim else "-",
             f"{a.throughput_output_tok_per_s:.0f}" if sim else "-",
             f"{a.bound_requests_per_s:.3g}",
@@ -160,7 +186,8 @@ def print_plan(config: str, assessed: Sequence[Assessment], best: Assessment, sh
         f"predicted: SLO capacity {best.slo_capacity_requests_per_s:.3g} requests/s"
         f"{' (at least: never missed)' if best.capacity_censored else ''}, goodput "
         f"{best.goodput_output_tok_per_s:.0f} output tok/s within the SLO, throughput "
-        f"{best.throughput_output_tok_per_s:.0f} tok/s at the bound's rate; fluid bound "
+        f"{best.throughput_output_tok_per_s:.0f} tok/s at the highest rate tried; SLO bound "
+        f"{best.slo_bound_requests_per_s:.3g} requests/s; fluid bound "
         f"{best.bound_output_tok_per_s:.0f} tok/s ({best.bound_requests_per_s:.3g} requests/s)"
     )
 
@@ -171,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trace", required=True, help="Mooncake (JSON lines) or Azure (CSV) trace")
     parser.add_argument("--requests", type=int, default=200, help="requests of the trace to replay")
     parser.add_argument("--policy", default="cost/auto", help="policy/disaggregation the router runs")
-    parser.add_argument("--top", type=int, default=4, help="assignments to simulate (best by bound)")
+    parser.add_argument("--top", type=int, default=4, help="assignments to simulate (best by SLO bound)")
     parser.add_argument("--slo-ttft-s", type=float, default=None)
     parser.add_argument("--slo-tpot-s", type=float, default=None)
     parser.add_argument("--json", default=None, help="write every assessment to this file")

@@ -230,6 +230,10 @@ def test_plan_recommends_the_mi300x_for_prefill_on_the_seed_cluster() -> None:
     assert Role.PREFILL in ROLE_CHOICES[best.roles["mi300x-0"]]
     assert best.throughput_output_tok_per_s <= best.bound_output_tok_per_s * 1.05
     assert any(a.current and a.simulated for a in assessed)  # the config's own roles are tried too
+    # Ranked by SLO bound, the recommendation's capacity within it.
+    bounds = [round(a.slo_bound_requests_per_s, 3) for a in assessed]  # ties: fewer roles first
+    assert bounds == sorted(bounds, reverse=True) and bounds[0] > 0
+    assert 0 < best.slo_capacity_requests_per_s <= best.slo_bound_requests_per_s
 
 
 def test_plan_command_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
