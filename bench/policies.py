@@ -493,7 +493,7 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
             "goal": GOAL,
         },
         "fluid_bound": bounds,
-        "slo_bound": slo_bounds,  # requests/s: no policy's SLO capacity can exceed it
+        "slo_bound": slo_bounds,  # requests/s: no policy's steady state serves more within the SLO
         "rows": [asdict(r) for r in rows],
         "capacity": _flag_transients(capacities(rows), slo_bounds),
     }
@@ -533,7 +533,9 @@ def print_report(data: dict[str, Any]) -> None:
         title=f"SLO capacity (requests/s at which >= {GOAL:.0%} meet the SLO; * = at least, never missed; "
         "! = above the SLO bound: a transient, too few requests for that rate)"
     )
-    policies = data["plan"]["policies"]
+    named = data["plan"]["policies"]
+    # External routers (`--target`) have their own mode and column.
+    policies = named + sorted({p for e in data["capacity"] for p in e["capacity"]} - set(named))
     cap.add_column("scenario")
     cap.add_column("mode")
     for p in policies:
@@ -543,8 +545,10 @@ def print_report(data: dict[str, Any]) -> None:
     cap.add_column("SLO bound", justify="right")
     for entry in data["capacity"]:
         cells = [
-            f"{entry['capacity'].get(p, float('nan')):.3g}{'*' if p in entry['censored'] else ''}"
+            f"{entry['capacity'][p]:.3g}{'*' if p in entry['censored'] else ''}"
             f"{'!' if p in entry.get('above_slo_bound', ()) else ''}"
+            if p in entry["capacity"]
+            else "-"
             for p in policies
         ]
         ratios = entry["ratios"]

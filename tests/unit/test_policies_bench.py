@@ -163,6 +163,21 @@ def test_a_capacity_above_the_slo_bound_is_flagged_as_a_transient(
     assert lowered[0]["above_slo_bound"]  # some policy served the seed case within its SLO
 
 
+def test_an_external_router_gets_its_own_capacity_column(
+    quick_rows: tuple[pb.Plan, list[pb.Row]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan, rows = quick_rows
+    data = pb.report(plan, rows[:3])
+    data["rows"] = []
+    data["capacity"].append(
+        {"scenario": "seed", "mode": "target:peer", "capacity": {"target:peer": 0.123}, "censored": [],
+         "ratios": {}, "above_slo_bound": []}
+    )  # fmt: skip
+    pb.print_report(data)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "target:peer" in line]
+    assert any("0.123" in line for line in lines), lines
+
+
 def test_slo_bound_follows_the_limits() -> None:
     cluster = load_cluster(CLUSTERS["amd"], "amd")
     requests = w.fixed_lengths(20, 4096, 128)
