@@ -160,7 +160,7 @@ def start_live_changes(
         if config_path is not None and not path.is_absolute():
             path = config_path.parent / path
         source = FileSource(path, discovery.file.poll_s, state.config, live.submit, accelerators)
-        source.poll()  # the first snapshot before the first request
+        source.poll(settle=False)  # the first snapshot before the first request
         tasks.append(asyncio.create_task(source.run(), name="discovery-file"))
     elif discovery.source == "kubernetes":
         kube = KubernetesSource(discovery.kubernetes, state.config, live.submit, accelerators, control)

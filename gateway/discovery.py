@@ -42,7 +42,13 @@ NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 class FileSource:
-    """A YAML list of backends, re-read when its modification time or size changes."""
+    """A YAML list of backends, re-read when its modification time or size changes.
+
+    Files are rarely replaced atomically (an editor, `cat >`, a config tool: truncate, then write), and a
+    poll can land in between. So a change is applied only once the file has stood still for one poll,
+    and an empty file is taken for one being written: the backends known keep serving (write `[]` for
+    none). Read mid-write, the list was empty and every backend was dropped; the finished file, if bad,
+    was then refused and the empty list kept."""
 
     def __init__(
         self,
@@ -57,24 +63,35 @@ class FileSource:
         self.config = config
         self.on_backends = on_backends
         self.accelerators = None if accelerators is None else frozenset(accelerators)
-        self._seen: tuple[float, int] | None = None
+        self._seen: tuple[float, int] | None = None  # (mtime, size) last read
+        self._changed: tuple[float, int] | None = None  # a change seen, not yet stood still for a poll
 
     async def run(self) -> None:
         while True:
             self.poll()
             await asyncio.sleep(self.poll_s)
 
-    def poll(self) -> None:
+    def poll(self, settle: bool = True) -> None:
+        """Read the file if it changed and has stood still since the last poll (`settle`; the first
+        snapshot at start-up reads at once)."""
         try:
             stat = self.path.stat()
         except OSError as error:
             log.warning("backends file %s: %s; keeping the backends known", self.path, error.strerror)
             return
-        if self._seen == (stat.st_mtime, stat.st_size):
+        current = (stat.st_mtime, stat.st_size)
+        if current == self._seen:
             return
-        self._seen = (stat.st_mtime, stat.st_size)
+        if settle and current != self._changed:
+            self._changed = current
+            return
+        self._seen, self._changed = current, None
         try:
-            backends = parse_backends(yaml.safe_load(self.path.read_text()), self.config, self.accelerators)
+            text = self.path.read_text()
+            if not text.strip():
+                log.warning("backends file %s is empty; keeping the backends known ([] for none)", self.path)
+                return
+            backends = parse_backends(yaml.safe_load(text), self.config, self.accelerators)
         except (ConfigError, yaml.YAMLError, OSError) as error:
             log.error("backends file %s rejected, keeping the backends known:\n%s", self.path, error)
             return
