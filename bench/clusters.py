@@ -277,7 +277,7 @@ def _step_shapes(
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per backend, the step shapes it may run: (decode batch, prefill chunk tokens, seconds) arrays.
     Batches up to what its KV cache and max_num_seqs hold at the mean context; a chunk's attention at the
-    workload's mean (query, key) pairs per prompt token; the decode-only shape (0, 0) left out."""
+    workload's mean (query, key) pairs per prompt token; the empty shape (0, 0) left out."""
     hw, model, eff = cluster.hardware(), cluster.model, cluster.efficiency
     context = float(np.mean([r.prompt_len for r in requests]) + outputs / 2)
     pairs_per_token = float(np.sum(causal_pairs(new, cached)) / max(new.sum(), 1.0))
