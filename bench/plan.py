@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from bench import workloads as w
 from bench.clusters import Cluster, fluid_bound, load_cluster, slo_bound
 from bench.policies import (
@@ -104,7 +106,7 @@ def assess(
     )
     for k, (candidate, assessment) in enumerate(scored):
         if k < top or assessment.current:
-            _simulate(candidate, requests, policy, slo, fracs, assessment)
+            _simulate(candidate, requests, policy, (ttft, tpot), fracs, assessment)
     return [a for _, a in scored]
 
 
@@ -116,12 +118,13 @@ def _simulate(
     cluster: Cluster,
     requests: Sequence[w.WorkloadRequest],
     policy: str,
-    slo: Slo,
+    limits: tuple[np.ndarray, np.ndarray],
     fracs: Sequence[float],
     out: Assessment,
 ) -> None:
+    """Replay `cluster` at the rates of both bounds; `limits` per request (TTFT, TPOT) as `Slo.limits`
+    gives them, the same for every assignment."""
     scenario = Scenario("plan", cluster.name, tuple(requests), "trace")
-    limits = slo.limits(cluster, requests)
     bound = fluid_bound(cluster, requests)
     # The fluid grid, and the SLO bound's where the SLO binds far below it.
     rates = {bound.requests_per_s * f for f in fracs} | {
