@@ -92,6 +92,9 @@ class ApproximateIndexRouter:
     def correction(self, backend_id: str) -> float:
         return self.inner.correction(backend_id)
 
+    def queue_correction(self, backend_id: str) -> float:
+        return self.inner.queue_correction(backend_id)
+
     def tpot_correction(self, backend_id: str) -> float:
         return self.inner.tpot_correction(backend_id)
 

@@ -228,6 +228,7 @@ class Decider:
             router.observe(outcome)
             backend = outcome.backend_id
             self.metrics.cost_model_error.labels(backend).set(router.correction(backend))
+            self.metrics.cost_model_queue_error.labels(backend).set(router.queue_correction(backend))
             self.metrics.cost_model_tpot_error.labels(backend).set(router.tpot_correction(backend))
 
     async def _features(

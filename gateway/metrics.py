@@ -145,6 +145,13 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.cost_model_queue_error = Gauge(
+            "hetgate:cost_model_queue_error",
+            "Measured over roofline-predicted queue before a prefill per backend, as the cost policy learnt",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.cost_model_tpot_error = Gauge(
             "hetgate:cost_model_tpot_error",
             "Measured over predicted TPOT per backend, as the cost policy learnt it (its SLO check uses it)",

@@ -39,16 +39,16 @@ backend with one role only ever takes that role in a split. `never`
 prices aggregated plans only; `always` split plans only (aggregated when no pair is healthy); `auto`
 both, splitting only when the decoder lacks at least `pd_min_prompt_tokens` of the prompt.
 
-**Calibration** (`observe`, outcomes built by `scoring/outcome.py`): k_b corrects the compute part
-only: (measured TTFT - the queue wait predicted at plan time) / the compute predicted at plan time,
-credited to the backend that prefilled (the prefill leg of a split is measured on its own), weighted by
-the compute's share of the prediction (which keeps it stable when the queue dominates). t_pd corrects
-the transfer per (prefill, decode) pair from the decode leg's time to first token. Each moves by
-`learning_rate` of its relative error, clipped to [0.1, 10]. A TPOT correction per backend (measured
-over predicted TPOT of the legs that decoded there, clipped to [0.5, 4]) carries what no prediction at
-plan time sees: the prefill chunks of requests that arrive while a request decodes. It scales TPOT only
-in the SLO check, not in the price or the finish time (there it made fast decoders look slow, and an
-earlier version that scaled the decode step itself drove the factors to the clip limits).
+**Calibration** (`observe`, outcomes built by `scoring/outcome.py`): per backend, k_b corrects its own
+prefill and q_b the queue ahead of it (in the formulas above, the queue is q_b times the roofline's,
+not k_b times), both fitted together by least squares to the measured TTFTs of the prefills it did
+(the prefill leg of a split is measured on its own), in `scoring/calibration.py`, which says why two
+and not one. t_pd corrects the transfer per (prefill, decode) pair from the decode leg's time to first
+token, moving by `learning_rate` of its relative error, clipped to [0.1, 10]. A TPOT correction per
+backend (measured over predicted TPOT of the legs that decoded there, clipped to [0.5, 4]) carries what
+no prediction at plan time sees: the prefill chunks of requests that arrive while a request decodes. It
+scales TPOT only in the SLO check, not in the price or the finish time (there it made fast decoders look
+slow, and an earlier version that scaled the decode step itself drove the factors to the clip limits).
 
 Ties keep a rotating order, so identical backends share the load.
 """
@@ -62,6 +62,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from scoring.calibration import CLIP, ComputeFit
 from scoring.catalog import Catalog, ModelSpec, load_catalog
 from scoring.cost import (
     DEFAULT_EFFICIENCY,
@@ -86,7 +87,7 @@ from scoring.types import (
     RoutePlan,
 )
 
-_CLIP = (0.1, 10.0)
+_CLIP = CLIP  # the transfer corrections, as the compute ones
 _TPOT_CLIP = (0.5, 4.0)
 _PLANNED_KEPT = 64  # per backend: more than a step's worth of queued prompts
 
@@ -116,6 +117,7 @@ class _Cluster:
     fastest_decode: ScalarStepTime  # the backend with the most memory bandwidth, alone
     rows: dict[str, int]  # backend id -> row
     compute_factor: np.ndarray
+    queue_factor: np.ndarray
     tpot_factor: np.ndarray  # measured over predicted TPOT (the SLO check's correction)
     pair_factor: np.ndarray  # [p, d]
 
@@ -128,6 +130,8 @@ class _Cluster:
 class _Priced:
     wait: np.ndarray
     compute: np.ndarray
+    roofline_wait: np.ndarray  # `wait` and `compute` before the learnt corrections
+    roofline_compute: np.ndarray
     tpot: np.ndarray
     first_step: np.ndarray  # after a split: the decoder's step in progress, then its first decode step
     decode_cost: np.ndarray
@@ -166,8 +170,9 @@ class CostRanker(SimpleRanker):
         self._rotate = Rotation()
         self._clusters: dict[tuple[str, ...], _Cluster] = {}
         self._last: _Cluster | None = None
-        self._correction: dict[str, float] = {}  # compute (prefill and queue) per backend
+        self._fits: dict[str, ComputeFit] = {}  # compute and queue corrections per backend
         self._compute_prior = 1.0  # for a backend not measured yet: the others' geometric mean
+        self._queue_prior = 1.0
         self._pair_correction: dict[tuple[str, str], float] = {}
         self._tpot_correction: dict[str, float] = {}
         self._tpot_prior = 1.0
@@ -179,19 +184,20 @@ class CostRanker(SimpleRanker):
     ) -> _Priced:
         work = cl.work
         prompt, out = request.prompt_tokens, max(request.max_tokens, 1)
-        k = cl.compute_factor
+        k, q = cl.compute_factor, cl.queue_factor
         seqs, context = c.decode_seqs, work.context(c.context_tokens, c.kv_usage)
         cached = np.minimum(c.cached_tokens, max(prompt - 1, 0))  # vLLM recomputes the last token
         new = prompt - cached
         own = prompt + out / 2.0
         s = work.steps(new, cached, own, seqs, context, c.prefill_tokens, c.prefill_len)
         base, step = s.base, s.step
-        queue = k * s.wait
+        queue = q * s.wait
         # A request that arrives mid-step waits for that step to end: half of one on average. Counted
         # for every plan alike, since a split's decode leg waits for step boundaries too (below):
         # counted for splits alone, it made them look slower than serving whole (bursts on B200 + 2x
         # H100, `auto`: 17 -> 3.6 requests/s of SLO capacity).
-        wait = queue + 0.5 * base
+        roofline_wait = s.wait + 0.5 * base
+        wait = q * roofline_wait
         compute = k * s.prefill
         # The marginal decode step. A backend's first sequence pays the step's fixed part (weights read,
         # overhead) unless `idle_is_free`: see `choose`.
@@ -210,7 +216,20 @@ class CostRanker(SimpleRanker):
         kv_ok = context + prompt + out <= 0.95 * work.kv_capacity
         stall = k * s.stall
         delay = compute * _cobatched(c.prefill_tokens, c.prefill_len, new, self.chunk_tokens)
-        return _Priced(wait, compute, tpot, first_step, decode_cost, kv_ok, step, stall, seqs, delay)
+        return _Priced(
+            wait,
+            compute,
+            roofline_wait,
+            s.prefill,
+            tpot,
+            first_step,
+            decode_cost,
+            kv_ok,
+            step,
+            stall,
+            seqs,
+            delay,
+        )
 
     @staticmethod
     def _harm(p: _Priced, out: int, slo: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
@@ -270,7 +289,7 @@ class CostRanker(SimpleRanker):
         partly filled chunk (the most recently planned there, as vLLM admits them in order), and
         lengthens that step by its own share of it; then it waits for later ones to join its own,
         unless nothing is ahead of it (an idle backend starts its step at once: later prompts wait)."""
-        compute_s = predicted.compute_s
+        compute_s = predicted.roofline_compute_s
         prompt = request.prompt_tokens
         new = max(prompt - min(int(c.cached_tokens[row]), prompt - 1), 1)
         rest = float(c.prefill_tokens[row]) % self.chunk_tokens
@@ -326,7 +345,7 @@ class CostRanker(SimpleRanker):
             )
         agg_pred = Prediction(
             float(p.wait[best_agg]), float(p.compute[best_agg]), 0.0, float(agg_ttft[best_agg]),
-            float(p.tpot[best_agg]),
+            float(p.tpot[best_agg]), float(p.roofline_wait[best_agg]), float(p.roofline_compute[best_agg]),
         )  # fmt: skip
         if pair is None:
             reason = "never" if split.disaggregation is Disaggregation.NEVER else "no_split"
@@ -405,6 +424,8 @@ class CostRanker(SimpleRanker):
             float(transfer[a, b]),
             float(ttft[a, b]),
             float(p.tpot[di]),
+            float(p.roofline_wait[pi]),
+            float(p.roofline_compute[pi]),
         )
         return prefills, decodes, pred, key
 
@@ -418,9 +439,9 @@ class CostRanker(SimpleRanker):
             # The prompts that joined its step after it was planned are queue, not slowness: without
             # them, a burst's first prompts taught its backend 2.4x the compute correction it has.
             joined = pred.joined.seconds if pred.joined is not None else 0.0
-            k = self._learn(self.correction(backend), outcome.ttft_s, pred.compute_s, pred.wait_s + joined)
-            if k is not None:
-                self._correction[backend] = k
+            if self._fit(backend).add(
+                outcome.ttft_s, pred.roofline_compute_s, pred.roofline_queue_s + joined
+            ):
                 self._refresh_compute_factors()
         if outcome.leg is not Leg.PREFILL and outcome.tpot_s > 0 and pred.tpot_s > 0:
             self._learn_tpot(outcome.backend_id, outcome.tpot_s, pred.tpot_s)
@@ -459,9 +480,9 @@ class CostRanker(SimpleRanker):
     def _learn(self, old: float, measured: float, part: float, rest: float) -> float | None:
         """Correct `part` (the predicted seconds this correction scales) from a measurement of
         `part + rest`: the part's own ratio, (measured - rest) / part, weighted by its share of the
-        prediction. With the queue as `rest` this corrects compute only, and the weight keeps it stable
-        when the queue dominates (it equals moving by the relative error of the whole prediction). The
-        prediction carried the `old` correction, so the ratio is relative to it. None: nothing to learn."""
+        prediction (it equals moving by the relative error of the whole prediction). The prediction
+        carried the `old` correction, so the ratio is relative to it. None: nothing to learn. Used for
+        the transfer, whose `rest` (the decoder's first steps) is corrected by its own measured TPOT."""
         total = part + rest
         if part <= 0 or not math.isfinite(measured) or total <= 0:
             return None
@@ -475,22 +496,40 @@ class CostRanker(SimpleRanker):
         (the efficiency it assumes), and without it an unmeasured backend looks as many times faster
         than a measured one as the roofline is optimistic (seed cluster: every 16k prompt sent to the
         never-measured MI308X servers, 5.6x slower in truth)."""
-        return self._correction.get(backend_id, self._compute_prior)
+        fit = self._fits.get(backend_id)
+        return fit.compute if fit is not None else self._compute_prior
+
+    def queue_correction(self, backend_id: str) -> float:
+        """The factor on the roofline's queue ahead of a prefill on one backend; an unmeasured one takes
+        the others' geometric mean (the queue model's error is mostly its own, not the hardware's)."""
+        fit = self._fits.get(backend_id)
+        return fit.queue if fit is not None else self._queue_prior
+
+    def _fit(self, backend_id: str) -> ComputeFit:
+        fit = self._fits.get(backend_id)
+        if fit is None:  # anchored at what it was priced with until now
+            fit = self._fits[backend_id] = ComputeFit(self._compute_prior)
+        return fit
 
     def _refresh_compute_factors(self) -> None:
-        """The prior of unmeasured backends, and every cluster's compute factors (what pricing reads)."""
-        values = np.fromiter(self._correction.values(), dtype=float)
-        self._compute_prior = float(np.exp(np.log(values).mean())) if values.size else 1.0
+        """The priors of unmeasured backends, and every cluster's compute and queue factors (what
+        pricing reads)."""
+        if self._fits:
+            fits = self._fits.values()
+            self._compute_prior = math.exp(sum(math.log(f.compute) for f in fits) / len(self._fits))
+            self._queue_prior = math.exp(sum(math.log(f.queue) for f in fits) / len(self._fits))
         for cl in self._clusters.values():
             cl.compute_factor[:] = [self.correction(s.id) for s in cl.specs]
+            cl.queue_factor[:] = [self.queue_correction(s.id) for s in cl.specs]
 
     def corrections(self) -> dict[str, float]:
-        return dict(self._correction)
+        return {b: f.compute for b, f in self._fits.items()}
 
     def calibration(self) -> dict[str, float]:
-        """Every correction learnt, by name: `compute/<backend>`, `tpot/<backend>`, `pair/<from>/<to>`
-        (backend ids have no `/`), for other gateway replicas (`blend_calibration`)."""
-        named = {f"compute/{b}": k for b, k in self._correction.items()}
+        """Every correction learnt, by name: `compute/<backend>`, `queue/<backend>`, `tpot/<backend>`,
+        `pair/<from>/<to>` (backend ids have no `/`), for other gateway replicas (`blend_calibration`)."""
+        named = {f"compute/{b}": f.compute for b, f in self._fits.items()}
+        named.update({f"queue/{b}": f.queue for b, f in self._fits.items()})
         named.update({f"tpot/{b}": k for b, k in self._tpot_correction.items()})
         named.update({f"pair/{a}/{b}": k for (a, b), k in self._pair_correction.items()})
         return named
@@ -506,7 +545,9 @@ class CostRanker(SimpleRanker):
                 continue
             target = math.exp(sum(map(math.log, theirs)) / len(theirs))
             if kind == "compute":
-                self._correction[ids] = _halfway(self.correction(ids), target, _CLIP)
+                self._fit(ids).move_to(compute=_halfway(self.correction(ids), target, _CLIP))
+            elif kind == "queue":
+                self._fit(ids).move_to(queue=_halfway(self.queue_correction(ids), target, _CLIP))
             elif kind == "tpot":
                 self._tpot_correction[ids] = _halfway(self.tpot_correction(ids), target, _TPOT_CLIP)
             elif kind == "pair" and "/" in ids:
@@ -543,6 +584,7 @@ class CostRanker(SimpleRanker):
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.mem_bw))), self.efficiency),
                 {s.id: i for i, s in enumerate(specs)},
                 np.array([self.correction(s.id) for s in specs]),
+                np.array([self.queue_correction(s.id) for s in specs]),
                 np.array([self.tpot_correction(s.id) for s in specs]),
                 np.array([[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]),
             )

@@ -63,6 +63,8 @@ class Ranker(Protocol):
 
     def correction(self, backend_id: str) -> float: ...
 
+    def queue_correction(self, backend_id: str) -> float: ...
+
     def tpot_correction(self, backend_id: str) -> float: ...
 
     def calibration(self) -> dict[str, float]: ...
@@ -116,6 +118,9 @@ class SimpleRanker:
         """Nothing to learn."""
 
     def correction(self, backend_id: str) -> float:
+        return 1.0
+
+    def queue_correction(self, backend_id: str) -> float:
         return 1.0
 
     def tpot_correction(self, backend_id: str) -> float:
@@ -221,6 +226,9 @@ class PlanningRouter:
 
     def correction(self, backend_id: str) -> float:
         return self.ranker.correction(backend_id)
+
+    def queue_correction(self, backend_id: str) -> float:
+        return self.ranker.queue_correction(backend_id)
 
     def tpot_correction(self, backend_id: str) -> float:
         return self.ranker.tpot_correction(backend_id)

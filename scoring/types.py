@@ -144,10 +144,10 @@ class Candidates:
 
 @dataclass(slots=True)
 class Joined:
-    """A planned prefill's share of the later ones: the seconds that prompts planned after it added to
-    the engine step it finishes in (vLLM fills a step with waiting prompts, and they finish together).
-    Its policy adds them as it plans; at plan time they are unknown, so they are not in `Prediction`'s
-    times, and calibration counts them with the queue (not as slowness)."""
+    """A planned prefill's share of the later ones: the roofline seconds that prompts planned after it
+    added to the engine step it finishes in (vLLM fills a step with waiting prompts, and they finish
+    together). Its policy adds them as it plans; at plan time they are unknown, so they are not in
+    `Prediction`'s times, and calibration counts them with the queue (not as slowness)."""
 
     tokens: float  # the request's own prefill tokens on its backend
     joinable: bool = True  # False: it starts at once on an idle backend, a step no later prompt joins
@@ -161,8 +161,10 @@ class Prediction:
     `wait_s` is the queue ahead of the request's prefill, `compute_s` its own prefill, both on the
     prefill backend (the aggregated one when not split); `transfer_s` the KV transfer (0 when not
     split); `ttft_s` their sum plus the first decode step after a split; `tpot_s` the decode step at the
-    batch and context the request joins. Outcomes carry them back so calibration can tell queue from
-    compute (`scoring/outcome.py`); `joined` grows after the plan (see `Joined`).
+    batch and context the request joins. `roofline_queue_s` and `roofline_compute_s` are the first two
+    as the roofline has them, before any learnt correction. Outcomes carry them back so calibration can
+    tell queue from compute (`scoring/outcome.py`, `scoring/calibration.py`); `joined` grows after the
+    plan (see `Joined`).
     """
 
     wait_s: float = 0.0
@@ -170,6 +172,8 @@ class Prediction:
     transfer_s: float = 0.0
     ttft_s: float = 0.0
     tpot_s: float = 0.0
+    roofline_queue_s: float = 0.0
+    roofline_compute_s: float = 0.0
     joined: Joined | None = field(default=None, compare=False)
 
 
@@ -209,6 +213,10 @@ class Router(Protocol):
 
     def correction(self, backend_id: str) -> float:
         """What it learnt of one backend: measured over predicted compute time (1.0: nothing)."""
+        ...
+
+    def queue_correction(self, backend_id: str) -> float:
+        """What it learnt of one backend: measured over predicted queue ahead of a prefill (1.0: nothing)."""
         ...
 
     def tpot_correction(self, backend_id: str) -> float:

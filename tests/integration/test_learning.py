@@ -50,4 +50,5 @@ def test_an_aggregated_stream_teaches_compute_and_tpot_and_a_plain_reply_nothing
     assert metric(gw.url, "hetgate:cost_model_error", backend="b") == 0.0
     assert stream(gw.url) == ["mode=aggregated; backend=b"] * 3
     assert metric(gw.url, "hetgate:cost_model_error", backend="b") not in (0.0, 1.0)
+    assert metric(gw.url, "hetgate:cost_model_queue_error", backend="b") not in (0.0, 1.0)
     assert metric(gw.url, "hetgate:cost_model_tpot_error", backend="b") not in (0.0, 1.0)

@@ -46,7 +46,7 @@ def learn_slowness(router: Router, truth: float, rounds: int = 200) -> None:
     """Outcomes of a backend whose prefill takes `truth` times what the roofline says."""
     for _ in range(rounds):
         k = router.correction(BACKEND)
-        pred = Prediction(compute_s=k * 0.1, ttft_s=k * 0.1, tpot_s=0.01)
+        pred = Prediction(compute_s=k * 0.1, ttft_s=k * 0.1, tpot_s=0.01, roofline_compute_s=0.1)
         outcome = Outcome(
             BACKEND, Mode.AGGREGATED, 8000, 0, 64, truth * 0.1, 1.0, predicted=pred, tpot_s=0.02
         )

@@ -138,8 +138,11 @@ def converge(
     """Feed outcomes of a backend whose compute is `truth` times the roofline, with `queue` seconds of
     roofline work ahead; each prediction carries the correction learnt so far (as plans do)."""
     for _ in range(rounds):
-        k = ranker.correction(backend)
-        pred = Prediction(wait_s=k * queue, compute_s=k * compute, ttft_s=k * (queue + compute))
+        k, q = ranker.correction(backend), ranker.queue_correction(backend)
+        pred = Prediction(
+            wait_s=q * queue, compute_s=k * compute, ttft_s=q * queue + k * compute,
+            roofline_queue_s=queue, roofline_compute_s=compute,
+        )  # fmt: skip
         measured = truth * (queue + compute)
         ranker.observe(Outcome(backend, Mode.AGGREGATED, 8000, 0, 64, measured, measured, predicted=pred))
     return ranker.correction(backend)
@@ -180,7 +183,9 @@ def test_outcomes_without_prediction_are_ignored(deepseek):
 
 
 def test_each_split_leg_is_credited_to_its_backend(deepseek):
-    pred = Prediction(wait_s=0.0, compute_s=1.0, transfer_s=0.1, ttft_s=1.2, tpot_s=0.1)
+    pred = Prediction(
+        wait_s=0.0, compute_s=1.0, transfer_s=0.1, ttft_s=1.2, tpot_s=0.1, roofline_compute_s=1.0
+    )
     measured = Measured(Mode.PD, "dec", 8000, 512, 11, 0.0, first_token_s=2.5, finish_s=3.5,
                         prefill_backend_id="pre", prefill_done_s=2.0)  # fmt: skip
     prefill, decode = outcomes_of(measured, pred)
@@ -408,7 +413,8 @@ def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_canno
             "tpot/mi300x-0": [2.0, 8.0],  # the others' geometric mean is 4: sqrt(1 x 4)
             "pair/mi300x-0/mi308x-0": [9.0],
             "compute/mi308x-1": [-1.0, 0.0],  # not a correction
-            "queue/mi300x-0": [5.0],  # not a kind it learns
+            "queue/mi308x-0": [16.0],  # half way: sqrt(4 x 16)
+            "size/mi300x-0": [5.0],  # not a kind it learns
             "pair/mi300x-0": [5.0],  # not a pair
         }
     )
@@ -417,7 +423,11 @@ def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_canno
     assert ranker.tpot_correction("mi300x-0") == pytest.approx(2.0)
     learnt = ranker.calibration()
     assert learnt["pair/mi300x-0/mi308x-0"] == pytest.approx(3.0)
-    assert set(learnt) == {"compute/mi300x-0", "compute/mi308x-0", "tpot/mi300x-0", "pair/mi300x-0/mi308x-0"}
+    assert ranker.queue_correction("mi308x-0") == pytest.approx(8.0, rel=0.02)
+    assert set(learnt) == {
+        "compute/mi300x-0", "compute/mi308x-0", "queue/mi300x-0", "queue/mi308x-0", "tpot/mi300x-0",
+        "pair/mi300x-0/mi308x-0",
+    }  # fmt: skip
     # The pricing reads the blended factors (rows: mi300x-0, mi308x-0).
     roofline = CostRanker(deepseek).predicted_ttft(long_prompt(), cluster())
     assert ranker.predicted_ttft(long_prompt(), cluster()) / roofline == pytest.approx([4.0, 2.0], rel=0.02)

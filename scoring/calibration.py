@@ -1,0 +1,79 @@
+"""How much slower each backend is than its roofline, learnt from the times its requests took.
+
+A request's time to first token on backend b is, by the roofline, its own prefill `C` plus the work
+queued ahead of it `Q` (prompts in the queue, the step in progress, prompts that joined its step after
+it was planned), both in roofline seconds. `ComputeFit` fits
+
+    measured TTFT ~= compute * C + queue * Q
+
+per backend, by weighted least squares over the recent outcomes (exponential forgetting), each
+outcome weighted by the inverse square of its roofline prediction (the errors are relative: a 5 % miss on a
+2 s prompt and on a 20 ms one say the same). Two coefficients, not one, because the queue model has
+errors of its own: with one factor on `C` alone (the queue subtracted as predicted), a queue predicted
+30 % too long was credited to a compute part a tenth its size, and under sustained load the factor
+swung between its clips (B200 + 2x H100, shared system prompts: 0.1 and 10 for a true 1.0). The
+two-coefficient fit of the same outcomes gives 1.09-1.25 for the compute and 0.5-0.6 for the queue.
+The regressors are the roofline's own seconds, never the corrected ones, so what was learnt never feeds
+back into what is measured next.
+
+Two weak priors hold what the data cannot tell apart: the queue factor equals the compute factor (the
+roofline's assumption: the queue is the same hardware's compute), so a backend that never had a queue,
+or whose queue always stood in the same ratio to its prompts, prices its queue as its compute; and both
+lie near an anchor (the other backends' compute when this one was first measured), which keeps the
+solve regular before any outcome. Pure numpy on 2x2 matrices: a few microseconds per outcome, off the
+request path's decision (outcomes are observed after a request ends).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CLIP = (0.1, 10.0)
+WINDOW = 128.0  # outcomes: the forgetting factor is 1 - 1 / WINDOW
+# In units of one outcome whose prediction was all compute: toward the anchor, and toward queue = compute.
+RIDGE = 0.001
+TIE = 0.1
+
+
+class ComputeFit:
+    """The least-squares fit of one backend: `compute` and `queue`, the factors on the roofline's own
+    prefill and queue seconds."""
+
+    __slots__ = ("_anchor", "_decay", "_ridge", "_xx", "_xy", "compute", "queue")
+
+    def __init__(self, anchor: float, window: float = WINDOW, ridge: float = RIDGE, tie: float = TIE) -> None:
+        self._anchor = ridge * np.array([anchor, anchor])
+        self._decay = 1.0 - 1.0 / window
+        self._ridge = ridge * np.eye(2) + tie * np.array([[1.0, -1.0], [-1.0, 1.0]])
+        self._xx = np.zeros((2, 2))
+        self._xy = np.zeros(2)
+        self.compute = anchor
+        self.queue = anchor  # the priors' solve before any outcome
+
+    def add(self, measured_s: float, compute_s: float, queue_s: float) -> bool:
+        """One outcome: `measured_s` for `compute_s` own prefill and `queue_s` ahead (roofline seconds).
+        False when it says nothing (no compute, or a time that is not one)."""
+        if compute_s <= 0 or queue_s < 0 or not np.isfinite(measured_s) or measured_s <= 0:
+            return False
+        x = np.array([compute_s, queue_s])
+        weight = 1.0 / (compute_s + queue_s) ** 2  # relative errors (a common factor leaves the fit as it is)
+        self._xx *= self._decay
+        self._xy *= self._decay
+        self._xx += weight * np.outer(x, x)
+        self._xy += weight * measured_s * x
+        self._solve()
+        return True
+
+    def move_to(self, compute: float | None = None, queue: float | None = None) -> None:
+        """Set the coefficients (another replica's view blended in) and keep the evidence: the sums are
+        shifted so that they solve to the new values, so later outcomes move them as much as before."""
+        theta = np.array(
+            [self.compute if compute is None else compute, self.queue if queue is None else queue]
+        )
+        theta = np.clip(theta, *CLIP)
+        self._xy = (self._xx + self._ridge) @ theta - self._anchor
+        self.compute, self.queue = float(theta[0]), float(theta[1])
+
+    def _solve(self) -> None:
+        theta = np.linalg.solve(self._xx + self._ridge, self._xy + self._anchor)
+        self.compute, self.queue = (float(v) for v in np.clip(theta, *CLIP))
