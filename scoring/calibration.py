@@ -11,10 +11,11 @@ outcome weighted by the inverse square of its roofline prediction (the errors ar
 2 s prompt and on a 20 ms one say the same). Two coefficients, not one, because the queue model has
 errors of its own: with one factor on `C` alone (the queue subtracted as predicted), a queue predicted
 30 % too long was credited to a compute part a tenth its size, and under sustained load the factor
-swung between its clips (B200 + 2x H100, shared system prompts: 0.1 and 10 for a true 1.0). The
-two-coefficient fit of the same outcomes gives 1.09-1.25 for the compute and 0.5-0.6 for the queue.
-The regressors are the roofline's own seconds, never the corrected ones, so what was learnt never feeds
-back into what is measured next.
+swung between its clips (B200 + 2x H100, shared system prompts at 0.8x the fluid bound: B200 2.93,
+H100s 0.1, for a true 1.0). Fitted together, the same point learns compute 0.98 / 1.19 / 1.21 and
+queue 0.66 / 0.53 / 0.49 (tests/unit/test_calibration_converges.py runs it). The regressors are the
+roofline's own seconds, never the corrected ones, so what was learnt never feeds back into what is
+measured next. The cost policy prices with the compute factor only (scoring/cost_policy.py says why).
 
 Two weak priors hold what the data cannot tell apart: the queue factor equals the compute factor (the
 roofline's assumption: the queue is the same hardware's compute), so a backend that never had a queue,

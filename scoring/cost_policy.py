@@ -39,16 +39,21 @@ backend with one role only ever takes that role in a split. `never`
 prices aggregated plans only; `always` split plans only (aggregated when no pair is healthy); `auto`
 both, splitting only when the decoder lacks at least `pd_min_prompt_tokens` of the prompt.
 
-**Calibration** (`observe`, outcomes built by `scoring/outcome.py`): per backend, k_b corrects its own
-prefill and q_b the queue ahead of it (in the formulas above, the queue is q_b times the roofline's,
-not k_b times), both fitted together by least squares to the measured TTFTs of the prefills it did
-(the prefill leg of a split is measured on its own), in `scoring/calibration.py`, which says why two
-and not one. t_pd corrects the transfer per (prefill, decode) pair from the decode leg's time to first
-token, moving by `learning_rate` of its relative error, clipped to [0.1, 10]. A TPOT correction per
-backend (measured over predicted TPOT of the legs that decoded there, clipped to [0.5, 4]) carries what
-no prediction at plan time sees: the prefill chunks of requests that arrive while a request decodes. It
-scales TPOT only in the SLO check, not in the price or the finish time (there it made fast decoders look
-slow, and an earlier version that scaled the decode step itself drove the factors to the clip limits).
+**Calibration** (`observe`, outcomes built by `scoring/outcome.py`): per backend, k_b corrects its
+compute. It is fitted by least squares to the measured TTFTs of the prefills it did (the prefill leg of
+a split is measured on its own) together with a second factor on the roofline's queue ahead of them,
+in `scoring/calibration.py`, which says why: the queue model's own error is then not taken for slow
+compute. That queue factor (`queue_correction`) is a diagnostic, not a price: the queue is priced as
+k_b times the roofline's, as the other work on that backend. Priced with it, the NVIDIA mix lost under
+`auto`: the queue model is pessimistic on average under steady load (factor 0.5-0.9 there) but not
+in a burst, where all of a group's prompts queue at once (SLO capacity, bursty@nvidia 37.9 -> 3.71
+requests/s, multi-turn 18.8 -> 14.6, Azure conversations 17.7 -> 13.6). t_pd corrects the transfer
+per (prefill, decode) pair from the decode leg's time to first token, moving by `learning_rate` of
+its relative error, clipped to [0.1, 10]. A TPOT correction per backend (measured over predicted TPOT
+of the legs that decoded there, clipped to [0.5, 4]) carries what no prediction at plan time sees: the
+prefill chunks of requests that arrive while a request decodes. It scales TPOT only in the SLO check,
+not in the price or the finish time (there it made fast decoders look slow, and an earlier version
+that scaled the decode step itself drove the factors to the clip limits).
 
 Ties keep a rotating order, so identical backends share the load.
 """
@@ -117,7 +122,6 @@ class _Cluster:
     fastest_decode: ScalarStepTime  # the backend with the most memory bandwidth, alone
     rows: dict[str, int]  # backend id -> row
     compute_factor: np.ndarray
-    queue_factor: np.ndarray
     tpot_factor: np.ndarray  # measured over predicted TPOT (the SLO check's correction)
     pair_factor: np.ndarray  # [p, d]
 
@@ -184,20 +188,20 @@ class CostRanker(SimpleRanker):
     ) -> _Priced:
         work = cl.work
         prompt, out = request.prompt_tokens, max(request.max_tokens, 1)
-        k, q = cl.compute_factor, cl.queue_factor
+        k = cl.compute_factor
         seqs, context = c.decode_seqs, work.context(c.context_tokens, c.kv_usage)
         cached = np.minimum(c.cached_tokens, max(prompt - 1, 0))  # vLLM recomputes the last token
         new = prompt - cached
         own = prompt + out / 2.0
         s = work.steps(new, cached, own, seqs, context, c.prefill_tokens, c.prefill_len)
         base, step = s.base, s.step
-        queue = q * s.wait
+        queue = k * s.wait
         # A request that arrives mid-step waits for that step to end: half of one on average. Counted
         # for every plan alike, since a split's decode leg waits for step boundaries too (below):
         # counted for splits alone, it made them look slower than serving whole (bursts on B200 + 2x
         # H100, `auto`: 17 -> 3.6 requests/s of SLO capacity).
-        roofline_wait = s.wait + 0.5 * base
-        wait = q * roofline_wait
+        wait = queue + 0.5 * base
+        roofline_wait = s.wait + 0.5 * base  # what calibration fits its queue factor on
         compute = k * s.prefill
         # The marginal decode step. A backend's first sequence pays the step's fixed part (weights read,
         # overhead) unless `idle_is_free`: see `choose`.
@@ -500,8 +504,9 @@ class CostRanker(SimpleRanker):
         return fit.compute if fit is not None else self._compute_prior
 
     def queue_correction(self, backend_id: str) -> float:
-        """The factor on the roofline's queue ahead of a prefill on one backend; an unmeasured one takes
-        the others' geometric mean (the queue model's error is mostly its own, not the hardware's)."""
+        """Measured over roofline-predicted queue ahead of a prefill on one backend, as calibration
+        fitted it beside the compute (a diagnostic: pricing scales the queue by the compute factor); an
+        unmeasured backend takes the others' geometric mean."""
         fit = self._fits.get(backend_id)
         return fit.queue if fit is not None else self._queue_prior
 
@@ -512,15 +517,13 @@ class CostRanker(SimpleRanker):
         return fit
 
     def _refresh_compute_factors(self) -> None:
-        """The priors of unmeasured backends, and every cluster's compute and queue factors (what
-        pricing reads)."""
+        """The priors of unmeasured backends, and every cluster's compute factors (what pricing reads)."""
         if self._fits:
             fits = self._fits.values()
             self._compute_prior = math.exp(sum(math.log(f.compute) for f in fits) / len(self._fits))
             self._queue_prior = math.exp(sum(math.log(f.queue) for f in fits) / len(self._fits))
         for cl in self._clusters.values():
             cl.compute_factor[:] = [self.correction(s.id) for s in cl.specs]
-            cl.queue_factor[:] = [self.queue_correction(s.id) for s in cl.specs]
 
     def corrections(self) -> dict[str, float]:
         return {b: f.compute for b, f in self._fits.items()}
@@ -584,7 +587,6 @@ class CostRanker(SimpleRanker):
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.mem_bw))), self.efficiency),
                 {s.id: i for i, s in enumerate(specs)},
                 np.array([self.correction(s.id) for s in specs]),
-                np.array([self.queue_correction(s.id) for s in specs]),
                 np.array([self.tpot_correction(s.id) for s in specs]),
                 np.array([[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]),
             )

@@ -1,10 +1,16 @@
 """The cost policy's online calibration, run against the simulator: the simulated backends run at their
 cluster's own efficiency, which the router does not know, so what the router learns can be compared
 with the truth. Bursts included: prompts that arrive together share an engine step, which no plan can
-see; calibration must count that as queue, not as slowness."""
+see; calibration must count that as queue, not as slowness.
+
+The truth is the ratio of the simulator's prefill time to the roofline's over the workload's own prompt
+lengths (10th to 90th percentile): at other efficiencies than the roofline's the ratio depends on the
+length (the AMD cluster's MI308X: 2.69 at 200 tokens, 2.91 at 1,536), and a backend learns it for the
+prompts it prefills (the MI308X servers mostly short ones: the long ones are split to the MI300X)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from bench.policies import build_scenario, cluster_named, make_router, scenario_bound
@@ -33,8 +39,12 @@ def test_learnt_compute_corrections_approach_the_truth(
         sc.at_rate(load * scenario_bound(sc).requests_per_s)
     )
     hw = cluster.hardware()
-    truth = prefill_time(cluster.model, hw, 1536, 0, cluster.efficiency) / prefill_time(
-        cluster.model, hw, 1536, 0, DEFAULT_EFFICIENCY
-    )
-    for backend_id, true in zip(cluster.ids, truth, strict=True):
-        assert router.correction(backend_id) == pytest.approx(true, rel=tolerance), backend_id
+    lengths = np.quantile([r.prompt_len for r in sc.requests], [0.1, 0.9]).astype(int)
+    model, efficiency = cluster.model, cluster.efficiency
+    truth = np.array(
+        [prefill_time(model, hw, n, 0, efficiency) / prefill_time(model, hw, n, 0, DEFAULT_EFFICIENCY)
+         for n in lengths]
+    )  # fmt: skip
+    for backend_id, low, high in zip(cluster.ids, truth.min(axis=0), truth.max(axis=0), strict=True):
+        learnt = router.correction(backend_id)
+        assert low * (1 - tolerance) <= learnt <= high * (1 + tolerance), (backend_id, learnt, low, high)
