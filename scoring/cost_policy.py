@@ -294,12 +294,11 @@ class CostRanker(SimpleRanker):
         # Aggregated serving runs on any backend that may decode (a decode-only vLLM serves a request
         # without KV parameters whole, as the other policies and the fluid bound assume); the delay its
         # prefill imposes on the decodes running there is in the price.
-        agg_fallback = not (healthy & c.can_prefill & c.can_decode).any()
         agg_mask = healthy & c.can_decode
         if not agg_mask.any():
             agg_mask = healthy
-        if not agg_mask.any():
-            return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
+            if not agg_mask.any():
+                return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
         cl = self._cluster(c.specs)
         # Without a split, where a request decodes is where it prefills, and an idle backend's weights
         # read cost nothing that was not idle anyway: charged to the first sequence, they made an idle
@@ -311,7 +310,9 @@ class CostRanker(SimpleRanker):
         p = self._price(request, c, cl, idle_is_free)
         slo_ttft, slo_tpot = self._targets(request, cl)
         out = max(request.max_tokens, 1)
-        order = self._rotate(np.flatnonzero(agg_mask))
+        # Methods, not np.flatnonzero, np.argmin, np.argpartition: their Python wrappers cost ~1-2 us
+        # a call, as much as the work on 64 rows.
+        order = self._rotate(agg_mask.nonzero()[0])
         agg_ok = (p.ttft <= slo_ttft) & (p.tpot_seen <= slo_tpot) & p.kv_ok
         prefill_harm, decode_harm = self._harm(p, out, (slo_ttft, slo_tpot))
         harm = prefill_harm + decode_harm
@@ -333,7 +334,8 @@ class CostRanker(SimpleRanker):
             reason = "never" if split.disaggregation is Disaggregation.NEVER else "no_split"
             return self._route(request, c, (Mode.AGGREGATED, aggregated, (), (), reason), agg_pred)
         prefills, decodes, pair_pred, pair_key = pair
-        if split.disaggregation is Disaggregation.AUTO and not agg_fallback:
+        # `auto` weighs the split against serving whole where some backend has both roles.
+        if split.disaggregation is Disaggregation.AUTO and (healthy & c.can_prefill & c.can_decode).any():
             agg_rank = (not bool(agg_ok[best_agg]), agg_cost[best_agg], float(agg_finish[best_agg]))
             if not _pair_wins(pair_key, agg_rank, self.cost_tolerance):
                 return self._route(
@@ -395,8 +397,8 @@ class CostRanker(SimpleRanker):
         among them, and 64 backends price 16 x 16 pairs instead of 4,032. Each side's figures are
         taken for its rows by one fancy index each ([prefill, 1] and [decode] rows broadcast to the
         [prefill, decode] matrices), not by `np.ix_` and a temporary per figure."""
-        prefill_rows = np.flatnonzero(c.healthy & c.can_prefill)
-        decode_rows = np.flatnonzero(c.healthy & c.can_decode)
+        prefill_rows = (c.healthy & c.can_prefill).nonzero()[0]
+        decode_rows = (c.healthy & c.can_decode).nonzero()[0]
         if split.disaggregation is Disaggregation.AUTO:
             lacking = request.prompt_tokens - c.cached_tokens[decode_rows]
             decode_rows = decode_rows[lacking >= split.pd_min_prompt_tokens]
@@ -429,8 +431,8 @@ class CostRanker(SimpleRanker):
         # Fallbacks of each leg with the other leg fixed, in the same order.
         col = _order(prefill_rows, cost[:, b], finish[:, b], ok[:, b], self.cost_tolerance).tolist()
         row = _order(decode_rows, cost[a], finish[a], ok[a], self.cost_tolerance).tolist()
-        prefills = tuple(i for i in col if i != di)
-        decodes = tuple(i for i in row if i != pi)
+        prefills = tuple([i for i in col if i != di])
+        decodes = tuple([i for i in row if i != pi])
         pred = (
             float(p.wait[pi]),
             float(p.compute[pi]),
@@ -613,13 +615,11 @@ def _order(
     rows: np.ndarray, cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float
 ) -> np.ndarray:
     """`rows` best-first: feasible plans within `tolerance` of the cheapest feasible cost (earliest
-    finish first), then the other feasible ones, then the infeasible ones (each by earliest finish)."""
-    if ok.any():
-        cheap = ok & (cost <= cost[ok].min() * (1.0 + tolerance))
-        tier = np.where(cheap, 0, np.where(ok, 1, 2))
-    else:
-        tier = np.zeros(rows.size, dtype=int)
-    return rows[np.lexsort((finish, tier))]
+    finish first), then the other feasible ones, then the infeasible ones (each by earliest finish).
+    The tiers are sort keys of their own (infeasible, then not cheap; `cheap` implies `ok`), so no
+    branch and no tier array: with nothing feasible, the cheapest is inf and nothing is cheap."""
+    cheap = ok & (cost <= np.minimum.reduce(cost, where=ok, initial=np.inf) * (1.0 + tolerance))
+    return rows[np.lexsort((finish, ~cheap, ~ok))]
 
 
 SHORTLIST = 8
@@ -630,10 +630,10 @@ def _shortlist(rows: np.ndarray, time: np.ndarray, cost: np.ndarray) -> np.ndarr
     and `cost` are per backend, taken for `rows` only when there are more than that."""
     if rows.size <= 2 * SHORTLIST:
         return rows
-    time, cost = time[rows], cost[rows]
+    # Both measures in one [2, rows] array: one gather, one partition (row by row, as two calls).
+    both = np.concatenate((time, cost)).reshape(2, -1)[:, rows]
     keep = np.zeros(rows.size, dtype=bool)
-    keep[np.argpartition(time, SHORTLIST)[:SHORTLIST]] = True
-    keep[np.argpartition(cost, SHORTLIST)[:SHORTLIST]] = True
+    keep[both.argpartition(SHORTLIST)[:, :SHORTLIST]] = True
     return rows[keep]
 
 
@@ -642,7 +642,8 @@ def _cobatched(queued: np.ndarray, prompt_len: np.ndarray, new: np.ndarray, chun
     in the last, partly filled chunk of the queue), times the share of the new prefill that step takes.
     A full last chunk leaves none: the new prefill starts a step of its own."""
     rest = np.mod(queued, chunk)
-    share = np.minimum(np.maximum(new, 1.0), chunk - rest) / np.maximum(new, 1.0)
+    new = np.maximum(new, 1.0)
+    share = np.minimum(new, chunk - rest) / new
     return np.asarray(rest / np.maximum(prompt_len, 1.0) * share)
 
 
@@ -650,9 +651,9 @@ def _best(cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float
     """The first entry `_order` would give over a matrix of plans, without sorting them all."""
     if ok.any():
         cheap = ok & (cost <= cost[ok].min() * (1.0 + tolerance))
-        flat = int(np.argmin(np.where(cheap, finish, np.inf)))
+        flat = int(np.where(cheap, finish, np.inf).argmin())
     else:
-        flat = int(np.argmin(finish))
+        flat = int(finish.argmin())
     a, b = divmod(flat, finish.shape[1])
     return a, b
 
