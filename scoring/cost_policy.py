@@ -410,7 +410,9 @@ class CostRanker(SimpleRanker):
         prefill_rows = self._rotate(_shortlist(prefill_rows, p.ttft, p.compute_cost))
         decode_rows = self._rotate(_shortlist(decode_rows, decode_time, p.decode_price))
         pr, dr = prefill_rows[:, None], decode_rows
-        links = cl.links[:, pr, dr]
+        # The pairs as flat [p * n + d] positions: `take` along one axis is cheaper than a broadcast
+        # fancy index over two.
+        links = cl.links.reshape(3, -1).take(pr * len(c) + dr, axis=1)
         transfer = links[0] * (links[1] * request.prompt_tokens + links[2])
         # Each side's part of a pair's time and cost, then the [prefill, decode] matrices.
         ready = p.ttft[pr] + transfer

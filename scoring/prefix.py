@@ -90,5 +90,5 @@ class CacheAware(SimpleRanker):
         cached = candidates.cached_tokens[order]
         beyond = cached - cached.min()
         if request.prompt_tokens > 0 and beyond.max() / request.prompt_tokens > self.cache_threshold:
-            return int(order[int(np.argmax(cached))])
+            return int(order[int(cached.argmax())])
         return int(order[int(candidates.kv_usage[order].argmin())])
