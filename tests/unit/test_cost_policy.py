@@ -475,6 +475,25 @@ def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_canno
     assert ranker.predicted_ttft(long_prompt(), cluster()) / roofline == pytest.approx([4.0, 2.0], rel=0.02)
 
 
+def test_a_learnt_pair_correction_reaches_the_transfer_the_split_is_priced_with(deepseek):
+    """The pair corrections are a view of the cluster's [correction, per token, latency] array that
+    splits read: a correction learnt after the cluster was built is in the next plan's transfer."""
+    router = build_router("cost", "always", model=deepseek)
+    c = cluster(roles=(P, D))  # prefill on mi300x-0, decode on mi308x-0
+    cl = router.ranker._cluster(c.specs)
+    before = cl.links.copy()
+    router.blend_calibration({"pair/mi300x-0/mi308x-0": [9.0]})
+    assert cl.links[0, 0, 1] == pytest.approx(3.0)  # half way in log space: sqrt(1 x 9)
+    others = np.ones_like(before, dtype=bool)
+    others[0, 0, 1] = False
+    assert np.array_equal(cl.links[others], before[others])
+    plan = router.plan(long_prompt(), c)
+    assert (plan.mode, plan.prefill[0], plan.decode[0]) == (Mode.PD, 0, 1)
+    assert plan.predicted is not None
+    expected = cl.links[0, 0, 1] * (before[1, 0, 1] * long_prompt().prompt_tokens + before[2, 0, 1])
+    assert plan.predicted.transfer_s == expected
+
+
 def decode_base(ranker: CostRanker, c: Candidates) -> np.ndarray:
     """Each backend's decode step of its running batch (without the new request), as `_price` sees it."""
     work = ranker._cluster(c.specs).work
