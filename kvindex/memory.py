@@ -126,24 +126,21 @@ class MemoryIndex:
         """Leading blocks held per backend: AND the holders' bitmasks until nobody is left.
 
         Over chunks that grow 4x (a prompt nobody holds costs one short chunk), the masks are fetched
-        by one C call (`itemgetter`) and walked in runs of equal masks (`groupby`, in C): a run's mask
-        is AND-ed once, so the Python work is per run, not per block. A prefix held by some backends is
-        a few long runs; AND-ing every block as a Python int cost ~50 ns a block (2,048 blocks: most of
-        the lookup). Only the first run of a mask can drop bits (after it `alive` is within the mask),
-        so `masks.index` from the last drop finds that run's start."""
+        by one C call (`itemgetter`) and walked in runs of equal masks (`groupby`, in C; a run's length
+        by `list`, in C too): a run's mask is AND-ed once, so the Python work is per run, not per
+        block. A prefix held by some backends is a few long runs; AND-ing every block as a Python int
+        cost ~50 ns a block (2,048 blocks: most of the lookup)."""
         depth, size, total = 0, _FIRST_CHUNK, len(hashes)
         while alive and depth < total:
             chunk = hashes[depth : depth + size]
-            masks = _masks(holders, chunk)
-            start = 0
-            for mask, _ in groupby(masks):
-                if mask & alive == alive:
-                    continue
-                start = masks.index(mask, start)
-                _set_counts(alive & ~mask, depth + start, slot_of_bit, counts)
-                alive &= mask
-                if not alive:
-                    break
+            at = depth
+            for mask, run in groupby(_masks(holders, chunk)):
+                if mask & alive != alive:
+                    _set_counts(alive & ~mask, at, slot_of_bit, counts)
+                    alive &= mask
+                    if not alive:
+                        break
+                at += len(list(run))
             depth += len(chunk)
             size *= 4
         _set_counts(alive, total, slot_of_bit, counts)  # held the whole prompt
@@ -158,7 +155,7 @@ class MemoryIndex:
         now = self._clock()
         lru, bit = backend.lru, backend.bit
         # A run of blocks with one holders' mask (one int object) gets one new object: equal masks that
-        # are the same object compare by identity, which `_walk`'s `groupby` and `index` do first.
+        # are the same object compare by identity, which `_walk`'s `groupby` does first.
         last_old, last_new = -1, 0
         for block_hash in reversed(hashes):  # head last: most recently used, evicted last
             key = space << 64 | block_hash
