@@ -114,7 +114,7 @@ class _Cluster:
     price: np.ndarray  # compute weight of one second on each backend
     kv_limit: np.ndarray  # the KV tokens a plan may fill (95 % of the capacity)
     # [3, p, d]: the pair correction, seconds per KV token (without the fixed latency), the fixed latency;
-    # one array so a plan's pairs are one fancy index, not three.
+    # one array so a plan's pairs take all three at once (`_best_pair`).
     links: np.ndarray
     fastest_prefill: ScalarStepTime  # the backend with the most compute, alone
     fastest_prefill_row: int
