@@ -63,7 +63,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -95,6 +95,8 @@ from scoring.types import (
 _CLIP = CLIP  # the transfer corrections, as the compute ones
 _TPOT_CLIP = (0.5, 4.0)
 _PLANNED_KEPT = 64  # per backend: more than a step's worth of queued prompts
+# A `Prediction`'s fields in order, less `joined` (what `CostRanker._route` builds it from).
+_Predicted = tuple[float, float, float, float, float, float, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,15 +117,17 @@ class _Cluster:
     specs: tuple[BackendSpec, ...]
     work: WorkModel
     price: np.ndarray  # compute weight of one second on each backend
-    transfer_per_token: np.ndarray  # [p, d] seconds per KV token, without the fixed latency
-    transfer_latency: np.ndarray  # [p, d]
+    kv_limit: np.ndarray  # the KV tokens a plan may fill (95 % of the capacity)
+    # [3, p, d]: the pair correction, seconds per KV token (without the fixed latency), the fixed latency;
+    # one array so a plan's pairs take all three at once (`_best_pair`).
+    links: np.ndarray
     fastest_prefill: ScalarStepTime  # the backend with the most compute, alone
     fastest_prefill_row: int
     fastest_decode: ScalarStepTime  # the backend with the most memory bandwidth, alone
     rows: dict[str, int]  # backend id -> row
     compute_factor: np.ndarray
     tpot_factor: np.ndarray  # measured over predicted TPOT (the SLO check's correction)
-    pair_factor: np.ndarray  # [p, d]
+    pair_factor: np.ndarray  # [p, d], a view of `links[0]`
 
     def set_pair_factor(self, pair: tuple[str, str], value: float) -> None:
         if pair[0] in self.rows and pair[1] in self.rows:
@@ -134,6 +138,10 @@ class _Cluster:
 class _Priced:
     wait: np.ndarray
     compute: np.ndarray
+    ttft: np.ndarray  # wait + compute: an aggregated plan's TTFT, a split's until its transfer
+    compute_cost: np.ndarray  # compute weighted by the backend's price
+    decode_price: np.ndarray  # decode_cost weighted by the backend's price
+    tpot_seen: np.ndarray  # tpot as the SLO check sees it (times the learnt TPOT correction)
     roofline_wait: np.ndarray  # `wait` and `compute` before the learnt corrections
     roofline_compute: np.ndarray
     tpot: np.ndarray
@@ -217,12 +225,17 @@ class CostRanker(SimpleRanker):
         # seed cluster's conversations).
         chunk_share = np.minimum(1.0, self.chunk_tokens / np.maximum(c.prefill_tokens, 1.0))
         first_step = 2.0 * step + queue * (1.0 - chunk_share)
-        kv_ok = context + prompt + out <= 0.95 * work.kv_capacity
+        kv_ok = context + prompt + out <= cl.kv_limit
         stall = k * s.stall
         delay = compute * _cobatched(c.prefill_tokens, c.prefill_len, new, self.chunk_tokens)
+        price = cl.price
         return _Priced(
             wait,
             compute,
+            wait + compute,
+            price * compute,
+            price * decode_cost,
+            tpot * cl.tpot_factor,
             roofline_wait,
             s.prefill,
             tpot,
@@ -254,14 +267,13 @@ class CostRanker(SimpleRanker):
         already full when it switched on (0.66x round robin on shared system prompts)."""
         slo_ttft, slo_tpot = slo
         stalled = np.minimum((p.step + p.stall / out) / slo_tpot, 1.0)
-        queued = np.minimum((p.wait + p.compute) / slo_ttft, 1.0)
+        queued = np.minimum(p.ttft / slo_ttft, 1.0)
         crowded = np.minimum(p.step / slo_tpot, 1.0)
         return stalled * p.seqs * p.stall + queued * p.delay, crowded * p.seqs * p.decode_cost
 
     def predicted_ttft(self, request: RequestFeatures, candidates: Candidates) -> np.ndarray:
         """Aggregated TTFT on every backend (queue and own prefill, corrected)."""
-        p = self._price(request, candidates, self._cluster(candidates.specs))
-        return p.wait + p.compute
+        return self._price(request, candidates, self._cluster(candidates.specs)).ttft
 
     def _targets(self, request: RequestFeatures, cl: _Cluster) -> tuple[float, float]:
         """The request's SLO: its own, the model's, or relative to the cluster's fastest backends alone
@@ -281,46 +293,16 @@ class CostRanker(SimpleRanker):
 
     # --- the choice ------------------------------------------------------------------------------------
     def choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan:
-        plan = self._choose(request, candidates, split)
-        if plan.predicted is None:
-            return plan
-        row = plan.prefill[0] if plan.mode is Mode.PD else plan.aggregated[0]
-        joined = self._join(request, candidates, row, plan.predicted)
-        return replace(plan, predicted=replace(plan.predicted, joined=joined))
-
-    def _join(self, request: RequestFeatures, c: Candidates, row: int, predicted: Prediction) -> Joined:
-        """Book a planned prefill on its backend: it joins the step of the prompts in the queue's last,
-        partly filled chunk (the most recently planned there, as vLLM admits them in order), and
-        lengthens that step by its own share of it; then it waits for later ones to join its own,
-        unless nothing is ahead of it (an idle backend starts its step at once: later prompts wait)."""
-        compute_s = predicted.roofline_compute_s
-        prompt = request.prompt_tokens
-        new = max(prompt - min(int(c.cached_tokens[row]), prompt - 1), 1)
-        rest = float(c.prefill_tokens[row]) % self.chunk_tokens
-        added = compute_s * min(new, self.chunk_tokens - rest) / new
-        booked = self._planned.setdefault(c.specs[row].id, deque(maxlen=_PLANNED_KEPT))
-        for earlier in reversed(booked):
-            if rest <= 0:
-                break
-            if earlier.joinable:
-                earlier.seconds += added
-            rest -= earlier.tokens
-        joined = Joined(float(new), joinable=predicted.wait_s > 0)
-        booked.append(joined)
-        return joined
-
-    def _choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan:
         c = candidates
         healthy = c.healthy
         # Aggregated serving runs on any backend that may decode (a decode-only vLLM serves a request
         # without KV parameters whole, as the other policies and the fluid bound assume); the delay its
         # prefill imposes on the decodes running there is in the price.
-        agg_fallback = not (healthy & c.can_prefill & c.can_decode).any()
         agg_mask = healthy & c.can_decode
         if not agg_mask.any():
             agg_mask = healthy
-        if not agg_mask.any():
-            return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
+            if not agg_mask.any():
+                return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
         cl = self._cluster(c.specs)
         # Without a split, where a request decodes is where it prefills, and an idle backend's weights
         # read cost nothing that was not idle anyway: charged to the first sequence, they made an idle
@@ -332,13 +314,14 @@ class CostRanker(SimpleRanker):
         p = self._price(request, c, cl, idle_is_free)
         slo_ttft, slo_tpot = self._targets(request, cl)
         out = max(request.max_tokens, 1)
-        order = self._rotate(np.flatnonzero(agg_mask))
-        agg_ttft = p.wait + p.compute
-        agg_ok = (agg_ttft <= slo_ttft) & (p.tpot * cl.tpot_factor <= slo_tpot) & p.kv_ok
+        # Methods, not np.flatnonzero, np.argmin, np.argpartition: their Python wrappers cost ~1-2 us
+        # a call, as much as the work on 64 rows.
+        order = self._rotate(agg_mask.nonzero()[0])
+        agg_ok = (p.ttft <= slo_ttft) & (p.tpot_seen <= slo_tpot) & p.kv_ok
         prefill_harm, decode_harm = self._harm(p, out, (slo_ttft, slo_tpot))
         harm = prefill_harm + decode_harm
-        agg_finish = agg_ttft + out * p.tpot + harm
-        agg_cost = cl.price * p.compute + cl.price * p.decode_cost + harm
+        agg_finish = p.ttft + out * p.tpot + harm
+        agg_cost = p.compute_cost + p.decode_price + harm
         agg_key = _order(order, agg_cost[order], agg_finish[order], agg_ok[order], self.cost_tolerance)
         aggregated = tuple(agg_key.tolist())
         best_agg = aggregated[0]
@@ -347,19 +330,60 @@ class CostRanker(SimpleRanker):
             pair = self._best_pair(
                 request, c, cl, p, split, (slo_ttft, slo_tpot), (prefill_harm, decode_harm)
             )
-        agg_pred = Prediction(
-            float(p.wait[best_agg]), float(p.compute[best_agg]), 0.0, float(agg_ttft[best_agg]),
+        agg_pred = (
+            float(p.wait[best_agg]), float(p.compute[best_agg]), 0.0, float(p.ttft[best_agg]),
             float(p.tpot[best_agg]), float(p.roofline_wait[best_agg]), float(p.roofline_compute[best_agg]),
         )  # fmt: skip
         if pair is None:
             reason = "never" if split.disaggregation is Disaggregation.NEVER else "no_split"
-            return RoutePlan(Mode.AGGREGATED, aggregated, reason=reason, predicted=agg_pred)
+            return self._route(request, c, (Mode.AGGREGATED, aggregated, (), (), reason), agg_pred)
         prefills, decodes, pair_pred, pair_key = pair
-        if split.disaggregation is Disaggregation.AUTO and not agg_fallback:
+        # `auto` weighs the split against serving whole where some backend has both roles.
+        if split.disaggregation is Disaggregation.AUTO and (healthy & c.can_prefill & c.can_decode).any():
             agg_rank = (not bool(agg_ok[best_agg]), agg_cost[best_agg], float(agg_finish[best_agg]))
             if not _pair_wins(pair_key, agg_rank, self.cost_tolerance):
-                return RoutePlan(Mode.AGGREGATED, aggregated, reason="split_costlier", predicted=agg_pred)
-        return RoutePlan(Mode.PD, aggregated, prefills, decodes, reason="split", predicted=pair_pred)
+                return self._route(
+                    request, c, (Mode.AGGREGATED, aggregated, (), (), "split_costlier"), agg_pred
+                )
+        return self._route(request, c, (Mode.PD, aggregated, prefills, decodes, "split"), pair_pred)
+
+    def _route(
+        self,
+        request: RequestFeatures,
+        c: Candidates,
+        plan: tuple[Mode, tuple[int, ...], tuple[int, ...], tuple[int, ...], str],
+        predicted: _Predicted,
+    ) -> RoutePlan:
+        """The plan (mode, aggregated, prefill, decode, reason) with its `Prediction` (the fields in
+        order, less `joined`), its prefill booked on its backend (`_join`). Built once: rebuilt by
+        `dataclasses.replace`, it cost more than the rest of the plan's bookkeeping."""
+        mode, aggregated, prefill, decode, reason = plan
+        row = prefill[0] if mode is Mode.PD else aggregated[0]
+        joined = self._join(request, c, row, predicted[0], predicted[6])
+        return RoutePlan(mode, aggregated, prefill, decode, reason, Prediction(*predicted, joined=joined))
+
+    def _join(
+        self, request: RequestFeatures, c: Candidates, row: int, wait_s: float, compute_s: float
+    ) -> Joined:
+        """Book a planned prefill on its backend (`wait_s` and roofline `compute_s` as predicted): it
+        joins the step of the prompts in the queue's last, partly filled chunk (the most recently
+        planned there, as vLLM admits them in order), and lengthens that step by its own share of it;
+        then it waits for later ones to join its own, unless nothing is ahead of it (an idle backend
+        starts its step at once: later prompts wait)."""
+        prompt = request.prompt_tokens
+        new = max(prompt - min(int(c.cached_tokens[row]), prompt - 1), 1)
+        rest = float(c.prefill_tokens[row]) % self.chunk_tokens
+        added = compute_s * min(new, self.chunk_tokens - rest) / new
+        booked = self._planned.setdefault(c.specs[row].id, deque(maxlen=_PLANNED_KEPT))
+        for earlier in reversed(booked):
+            if rest <= 0:
+                break
+            if earlier.joinable:
+                earlier.seconds += added
+            rest -= earlier.tokens
+        joined = Joined(float(new), joinable=wait_s > 0)
+        booked.append(joined)
+        return joined
 
     def _best_pair(
         self,
@@ -370,49 +394,42 @@ class CostRanker(SimpleRanker):
         split: SplitSettings,
         slo: tuple[float, float],
         harms: tuple[np.ndarray, np.ndarray],
-    ) -> tuple[tuple[int, ...], tuple[int, ...], Prediction, tuple[bool, float, float]] | None:
+    ) -> tuple[tuple[int, ...], tuple[int, ...], _Predicted, tuple[bool, float, float]] | None:
         """The best (prefill, decode) pair with the fallbacks of each leg, or None when no pair is
         allowed. Vectorised over the pairs of the `shortlist` best of each side (by time and by cost):
         a pair's time and cost are its legs' sums plus the transfer, so the best pair is almost always
-        among them, and 64 backends price 16 x 16 pairs instead of 4,032."""
-        prefill_rows = np.flatnonzero(c.healthy & c.can_prefill)
-        decode_rows = np.flatnonzero(c.healthy & c.can_decode)
+        among them, and 64 backends price 16 x 16 pairs instead of 4,032. Each side's figures are
+        taken for its rows by one fancy index each ([prefill, 1] and [decode] rows broadcast to the
+        [prefill, decode] matrices), not by `np.ix_` and a temporary per figure."""
+        prefill_rows = (c.healthy & c.can_prefill).nonzero()[0]
+        decode_rows = (c.healthy & c.can_decode).nonzero()[0]
         if split.disaggregation is Disaggregation.AUTO:
             lacking = request.prompt_tokens - c.cached_tokens[decode_rows]
             decode_rows = decode_rows[lacking >= split.pd_min_prompt_tokens]
         if prefill_rows.size == 0 or decode_rows.size == 0:
             return None
         out = max(request.max_tokens, 1)
-        prefill_rows = self._rotate(
-            _shortlist(prefill_rows, (p.wait + p.compute)[prefill_rows], (cl.price * p.compute)[prefill_rows])
-        )
-        decode_rows = self._rotate(
-            _shortlist(
-                decode_rows,
-                (p.first_step + out * p.tpot)[decode_rows],
-                (cl.price * p.decode_cost)[decode_rows],
-            )
-        )
-        pair = np.ix_(prefill_rows, decode_rows)
-        transfer = cl.pair_factor[pair] * (
-            cl.transfer_per_token[pair] * request.prompt_tokens + cl.transfer_latency[pair]
-        )
+        prefill_harm, decode_harm = harms
+        decode_time = p.first_step + out * p.tpot
+        prefill_rows = self._rotate(_shortlist(prefill_rows, p.ttft, p.compute_cost))
+        decode_rows = self._rotate(_shortlist(decode_rows, decode_time, p.decode_price))
+        pr, dr = prefill_rows[:, None], decode_rows
+        # The pairs as flat [p * n + d] positions: `take` along one axis is cheaper than a broadcast
+        # fancy index over two.
+        links = cl.links.reshape(3, -1).take(pr * len(c) + dr, axis=1)
+        transfer = links[0] * (links[1] * request.prompt_tokens + links[2])
         # Each side's part of a pair's time and cost, then the [prefill, decode] matrices.
-        ready = (p.wait + p.compute)[prefill_rows][:, None]
-        prefill_cost = (cl.price * p.compute + harms[0])[prefill_rows][:, None]
-        tpot = (p.tpot * cl.tpot_factor)[decode_rows][None, :]
-        decode_time = (p.first_step + out * p.tpot + harms[1])[decode_rows][None, :]
-        decode_cost = (cl.price * p.decode_cost + harms[1])[decode_rows][None, :]
+        ready = p.ttft[pr] + transfer
         # The decoder's steps as its measured TPOT corrects them: uncorrected, the pair correction
         # learnt the decoder's step error as transfer time.
-        ttft = ready + transfer + (p.first_step * cl.tpot_factor)[decode_rows][None, :]
-        finish = ready + transfer + decode_time + harms[0][prefill_rows][:, None]
-        cost = prefill_cost + decode_cost
-        ok = (ttft <= slo[0]) & (tpot <= slo[1]) & p.kv_ok[decode_rows][None, :]
-        same = prefill_rows[:, None] == decode_rows[None, :]
+        ttft = ready + (p.first_step * cl.tpot_factor)[dr]
+        finish = ready + (decode_time + decode_harm)[dr] + prefill_harm[pr]
+        cost = (p.compute_cost + prefill_harm)[pr] + (p.decode_price + decode_harm)[dr]
+        ok = (ttft <= slo[0]) & (p.tpot_seen[dr] <= slo[1]) & p.kv_ok[dr]
+        same = pr == dr
         if same.all():
             return None
-        finish = np.where(same, np.inf, finish)
+        finish[same] = np.inf
         ok &= ~same
         a, b = _best(cost, finish, ok, self.cost_tolerance)
         pi, di = int(prefill_rows[a]), int(decode_rows[b])
@@ -420,9 +437,9 @@ class CostRanker(SimpleRanker):
         # Fallbacks of each leg with the other leg fixed, in the same order.
         col = _order(prefill_rows, cost[:, b], finish[:, b], ok[:, b], self.cost_tolerance).tolist()
         row = _order(decode_rows, cost[a], finish[a], ok[a], self.cost_tolerance).tolist()
-        prefills = tuple(i for i in col if i != di)
-        decodes = tuple(i for i in row if i != pi)
-        pred = Prediction(
+        prefills = tuple([i for i in col if i != di])
+        decodes = tuple([i for i in row if i != pi])
+        pred = (
             float(p.wait[pi]),
             float(p.compute[pi]),
             float(transfer[a, b]),
@@ -576,19 +593,22 @@ class CostRanker(SimpleRanker):
             row = Hardware(*(getattr(hw, f)[None, :] for f in HARDWARE_FIELDS))
             latency = kv_transfer_time(self.model, column, row, 0, self.efficiency)
             per_token = kv_transfer_time(self.model, column, row, 1, self.efficiency) - latency
+            pair_factor = [[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]
+            links = np.array([pair_factor, per_token, latency], dtype=float)
+            work = WorkModel(self.model, hw, self.efficiency, self.chunk_tokens)
             cl = _Cluster(
                 specs,
-                WorkModel(self.model, hw, self.efficiency, self.chunk_tokens),
+                work,
                 hw.gemm_flops / hw.gemm_flops.max(),
-                np.asarray(per_token),
-                np.asarray(latency),
+                0.95 * work.kv_capacity,
+                links,
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.gemm_flops))), self.efficiency),
                 int(np.argmax(hw.gemm_flops)),
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.mem_bw))), self.efficiency),
                 {s.id: i for i, s in enumerate(specs)},
                 np.array([self.correction(s.id) for s in specs]),
                 np.array([self.tpot_correction(s.id) for s in specs]),
-                np.array([[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]),
+                links[0],  # set_pair_factor writes there, so into `links`
             )
             self._clusters[key] = cl
         self._last = cl
@@ -599,25 +619,25 @@ def _order(
     rows: np.ndarray, cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float
 ) -> np.ndarray:
     """`rows` best-first: feasible plans within `tolerance` of the cheapest feasible cost (earliest
-    finish first), then the other feasible ones, then the infeasible ones (each by earliest finish)."""
-    if ok.any():
-        cheap = ok & (cost <= cost[ok].min() * (1.0 + tolerance))
-        tier = np.where(cheap, 0, np.where(ok, 1, 2))
-    else:
-        tier = np.zeros(rows.size, dtype=int)
-    return rows[np.lexsort((finish, tier))]
+    finish first), then the other feasible ones, then the infeasible ones (each by earliest finish).
+    The tiers are sort keys of their own (infeasible, then not cheap; `cheap` implies `ok`), so no
+    branch and no tier array: with nothing feasible, the cheapest is inf and nothing is cheap."""
+    cheap = ok & (cost <= np.minimum.reduce(cost, where=ok, initial=np.inf) * (1.0 + tolerance))
+    return rows[np.lexsort((finish, ~cheap, ~ok))]
 
 
 SHORTLIST = 8
 
 
 def _shortlist(rows: np.ndarray, time: np.ndarray, cost: np.ndarray) -> np.ndarray:
-    """`rows` reduced to the `SHORTLIST` quickest and the `SHORTLIST` cheapest (in row order)."""
+    """`rows` reduced to the `SHORTLIST` quickest and the `SHORTLIST` cheapest (in row order); `time`
+    and `cost` are per backend, taken for `rows` only when there are more than that."""
     if rows.size <= 2 * SHORTLIST:
         return rows
+    # Both measures in one [2, rows] array: one gather, one partition (row by row, as two calls).
+    both = np.concatenate((time, cost)).reshape(2, -1)[:, rows]
     keep = np.zeros(rows.size, dtype=bool)
-    keep[np.argpartition(time, SHORTLIST)[:SHORTLIST]] = True
-    keep[np.argpartition(cost, SHORTLIST)[:SHORTLIST]] = True
+    keep[both.argpartition(SHORTLIST)[:, :SHORTLIST]] = True
     return rows[keep]
 
 
@@ -626,7 +646,8 @@ def _cobatched(queued: np.ndarray, prompt_len: np.ndarray, new: np.ndarray, chun
     in the last, partly filled chunk of the queue), times the share of the new prefill that step takes.
     A full last chunk leaves none: the new prefill starts a step of its own."""
     rest = np.mod(queued, chunk)
-    share = np.minimum(np.maximum(new, 1.0), chunk - rest) / np.maximum(new, 1.0)
+    new = np.maximum(new, 1.0)
+    share = np.minimum(new, chunk - rest) / new
     return np.asarray(rest / np.maximum(prompt_len, 1.0) * share)
 
 
@@ -634,9 +655,9 @@ def _best(cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float
     """The first entry `_order` would give over a matrix of plans, without sorting them all."""
     if ok.any():
         cheap = ok & (cost <= cost[ok].min() * (1.0 + tolerance))
-        flat = int(np.argmin(np.where(cheap, finish, np.inf)))
+        flat = int(np.where(cheap, finish, np.inf).argmin())
     else:
-        flat = int(np.argmin(finish))
+        flat = int(finish.argmin())
     a, b = divmod(flat, finish.shape[1])
     return a, b
 

@@ -73,14 +73,14 @@ class CacheAware(SimpleRanker):
         self._rotate = Rotation()
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        order = least_load_order(self._rotate(np.flatnonzero(mask)), candidates)
+        order = least_load_order(self._rotate(mask.nonzero()[0]), candidates)
         if order.size < 2:
             return order
         first = self._first(request, candidates, order)
         return np.concatenate(([first], order[order != first]))
 
     def rank_decode(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        return least_load_order(self._rotate(np.flatnonzero(mask)), candidates)
+        return least_load_order(self._rotate(mask.nonzero()[0]), candidates)
 
     def _first(self, request: RequestFeatures, candidates: Candidates, order: np.ndarray) -> int:
         """`order` is least-load first (ties rotated), so each argmax/argmin below breaks ties by load."""
@@ -90,5 +90,5 @@ class CacheAware(SimpleRanker):
         cached = candidates.cached_tokens[order]
         beyond = cached - cached.min()
         if request.prompt_tokens > 0 and beyond.max() / request.prompt_tokens > self.cache_threshold:
-            return int(order[int(np.argmax(cached))])
-        return int(order[int(np.argmin(candidates.kv_usage[order]))])
+            return int(order[int(cached.argmax())])
+        return int(order[int(candidates.kv_usage[order].argmin())])

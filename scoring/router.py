@@ -140,7 +140,7 @@ class RoundRobin(SimpleRanker):
         self._rotate = Rotation()
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        return self._rotate(np.flatnonzero(mask))
+        return self._rotate(mask.nonzero()[0])
 
 
 class LeastLoad(SimpleRanker):
@@ -153,7 +153,7 @@ class LeastLoad(SimpleRanker):
         self._rotate = Rotation()
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        return least_load_order(self._rotate(np.flatnonzero(mask)), candidates)
+        return least_load_order(self._rotate(mask.nonzero()[0]), candidates)
 
 
 def least_load_order(rotated: np.ndarray, candidates: Candidates) -> np.ndarray:

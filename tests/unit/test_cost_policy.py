@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from scoring.catalog import load_catalog
-from scoring.cost_policy import CostRanker, _best, _cobatched, _order
+from scoring.cost_policy import SHORTLIST, CostRanker, _best, _cobatched, _order, _shortlist
 from scoring.outcome import Measured, outcomes_of
 from scoring.router import build_router
 from scoring.types import (
@@ -282,6 +282,48 @@ def test_the_best_pair_is_the_first_of_the_full_order_of_pairs(seed):
     assert _best(cost, finish, ok, 0.3) == divmod(int(first), 5)
 
 
+def tiered_order(rows, cost, finish, ok, tolerance):
+    """`_order` as first written: an explicit tier per plan (0 cheap, 1 feasible, 2 not), then finish."""
+    if ok.any():
+        cheap = ok & (cost <= cost[ok].min() * (1.0 + tolerance))
+        tier = np.where(cheap, 0, np.where(ok, 1, 2))
+    else:
+        tier = np.zeros(rows.size, dtype=int)
+    return rows[np.lexsort((finish, tier))]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_order_equals_the_tiered_order(seed):
+    """Ties in finish (kept in row order), inf costs, nothing feasible or everything feasible."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    rows = rng.permutation(n) + 5
+    cost = rng.choice([1.0, 1.2, 2.0, np.inf], n) * rng.choice([1.0, 1.0 + rng.random()], n)
+    finish = rng.choice([0.5, 0.7, 1.0], n)
+    ok = rng.random(n) < rng.choice([0.0, 0.5, 1.0])
+    for tolerance in (0.0, 0.3):
+        assert (
+            _order(rows, cost, finish, ok, tolerance).tolist()
+            == tiered_order(rows, cost, finish, ok, tolerance).tolist()
+        )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_shortlist_keeps_the_quickest_and_the_cheapest(seed):
+    """One partition of both measures keeps what a partition of each kept (ties included)."""
+    rng = np.random.default_rng(seed)
+    n = 64
+    time, cost = rng.choice([1.0, 2.0, 3.0], n), rng.random(n).round(1)
+    rows = np.sort(rng.choice(n, int(rng.integers(1, n)), replace=False))
+    keep = np.zeros(rows.size, dtype=bool)
+    if rows.size > 2 * SHORTLIST:
+        keep[np.argpartition(time[rows], SHORTLIST)[:SHORTLIST]] = True
+        keep[np.argpartition(cost[rows], SHORTLIST)[:SHORTLIST]] = True
+    else:
+        keep[:] = True
+    assert _shortlist(rows, time, cost).tolist() == rows[keep].tolist()
+
+
 # --- bursts and idle hardware (B200 + H100, Llama-3.1-70B) ------------------------------------------------
 def nvidia(stats: tuple[BackendStats, BackendStats]) -> Candidates:
     specs = (
@@ -431,6 +473,25 @@ def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_canno
     # The pricing reads the blended factors (rows: mi300x-0, mi308x-0).
     roofline = CostRanker(deepseek).predicted_ttft(long_prompt(), cluster())
     assert ranker.predicted_ttft(long_prompt(), cluster()) / roofline == pytest.approx([4.0, 2.0], rel=0.02)
+
+
+def test_a_learnt_pair_correction_reaches_the_transfer_the_split_is_priced_with(deepseek):
+    """The pair corrections are a view of the cluster's [correction, per token, latency] array that
+    splits read: a correction learnt after the cluster was built is in the next plan's transfer."""
+    router = build_router("cost", "always", model=deepseek)
+    c = cluster(roles=(P, D))  # prefill on mi300x-0, decode on mi308x-0
+    cl = router.ranker._cluster(c.specs)
+    before = cl.links.copy()
+    router.blend_calibration({"pair/mi300x-0/mi308x-0": [9.0]})
+    assert cl.links[0, 0, 1] == pytest.approx(3.0)  # half way in log space: sqrt(1 x 9)
+    others = np.ones_like(before, dtype=bool)
+    others[0, 0, 1] = False
+    assert np.array_equal(cl.links[others], before[others])
+    plan = router.plan(long_prompt(), c)
+    assert (plan.mode, plan.prefill[0], plan.decode[0]) == (Mode.PD, 0, 1)
+    assert plan.predicted is not None
+    expected = cl.links[0, 0, 1] * (before[1, 0, 1] * long_prompt().prompt_tokens + before[2, 0, 1])
+    assert plan.predicted.transfer_s == expected
 
 
 def decode_base(ranker: CostRanker, c: Candidates) -> np.ndarray:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
+
 from gateway.config import parse_config
 from gateway.outlier import Verdict
 from gateway.registry import HealthEvent, Registry
 from gateway.stats import VllmLoad
-from scoring.types import LegLoad
+from scoring.types import BackendStats, Candidates, LegLoad
 
 LOAD = LegLoad(prefill_tokens=0, decode_tokens=1, context_tokens=0)
 
@@ -128,6 +132,36 @@ def test_work_columns_take_the_larger_of_our_reservations_and_vllms_counts():
     assert c.context_tokens.tolist() == [800.0, 60.0]
     assert c.prefill_tokens.tolist() == [1200.0, 50.0]
     assert c.prefill_len.tolist() == [200.0, 50.0]
+
+
+def test_candidates_equal_candidates_built_from_each_backends_stats():
+    """The registry's one pass over its backends gives, column for column and bit for bit, what
+    `Candidates.build` gives from per-backend `BackendStats` of the same state."""
+    rng = random.Random(3)
+    reg, _ = registry(Clock(), n=9)
+    pool = reg.pools["m"]
+    for b in pool.backends:
+        for _ in range(rng.randrange(4)):
+            reg.reserve(b, LegLoad(rng.randrange(0, 9000), rng.randrange(1, 300), rng.randrange(0, 9000)))
+        b.load = VllmLoad(running=rng.randrange(6), waiting=rng.randrange(3), kv_usage=rng.random())
+        b.remote_in_flight = rng.randrange(3)
+    got = reg.candidates(pool)
+    stats = tuple(
+        BackendStats(
+            in_flight=b.in_flight + b.remote_in_flight,
+            running=int(b.load.running),
+            waiting=int(b.load.waiting),
+            kv_usage=b.load.kv_usage,
+            prefill_tokens=b.reserved.prefill_tokens,
+            prefill_seqs=b.reserved.prefill_seqs,
+            decode_seqs=b.reserved.decode_seqs,
+            context_tokens=b.reserved.context_tokens,
+        )
+        for b in pool.backends
+    )
+    want = Candidates.build(pool.specs, stats)
+    for name in ("load", "kv_usage", "prefill_tokens", "prefill_len", "decode_seqs", "context_tokens"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
 
 
 def test_reservation_adds_its_load_and_takes_it_off_once():

@@ -50,3 +50,40 @@ def test_decodes_ride_the_prefill_step_and_each_further_chunk_adds_a_step():
     tokens = 3 * DEFAULT_CHUNK_TOKENS - 100  # three chunks: one pass, then two more decode steps
     three = steps(tokens, seqs=seqs, context=context)
     assert three.prefill[0] == pytest.approx(alone(tokens, seqs, context) + 2 * base)
+
+
+def test_steps_equal_the_five_step_times_bit_for_bit():
+    """The fused `steps` (one concatenate per input) against the five `step_time` rows it stands for,
+    written out one by one: equal to the last bit, so routing decisions do not move."""
+    rng = np.random.default_rng(7)
+    accelerators = [CATALOG.accelerator(a) for a in ("mi300x", "mi308x", "mi300x")]
+    hw = Hardware.of(accelerators, [8, 8, 1], R1.compute_dtype)
+    work = WorkModel(R1, hw)
+    for _ in range(50):
+        n = 3
+        new = rng.integers(1, 40_000, n)
+        cached = rng.integers(0, 40_000, n) * rng.integers(0, 2, n)
+        seqs = rng.integers(0, 200, n) * 1.0
+        context = seqs * rng.integers(0, 5000, n) + rng.random(n) * 1000
+        queued = rng.integers(0, 4, n) * rng.integers(1, 20_000, n) * 1.0
+        queued_len = np.maximum(rng.integers(0, 20_000, n) * 1.0, 1.0)
+        own = float(rng.integers(1, 40_000)) + 0.5
+        s = work.steps(new, cached, own, seqs, context, queued, queued_len)
+
+        def one(tokens, pairs, batch, ctx):
+            return step_time(R1, hw, tokens, pairs, batch, ctx)
+
+        own_pairs = causal_pairs(new, cached)
+        queued_pairs = queued / queued_len * causal_pairs(queued_len, 0)
+        base = one(0.0, 0.0, seqs, context)
+        step = one(0.0, 0.0, seqs + 1.0, context + own)
+        chunks = np.ceil(queued / DEFAULT_CHUNK_TOKENS) * base
+        chunks_with = np.ceil((queued + new) / DEFAULT_CHUNK_TOKENS) * base
+        wait = one(queued, queued_pairs, seqs, context) + chunks - base
+        first = one(queued + new, queued_pairs + own_pairs, seqs, context) + chunks_with - base
+        mixed = one(new * 1.0, own_pairs, seqs, context)
+        assert np.array_equal(s.base, base)
+        assert np.array_equal(s.step, step)
+        assert np.array_equal(s.wait, wait)
+        assert np.array_equal(s.prefill, first - wait)
+        assert np.array_equal(s.stall, np.maximum(mixed - base, 0.0))
