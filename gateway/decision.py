@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ from scoring.cost_policy import Slo
 from scoring.load import leg_load
 from scoring.outcome import Measured, outcomes_of
 from scoring.router import build_router
-from scoring.types import Candidates, LegLoad, Mode, RequestFeatures, RoutePlan, Router
+from scoring.types import Candidates, LegLoad, Mode, Prediction, RequestFeatures, RoutePlan, Router
 
 if TYPE_CHECKING:
     from gateway.affinity import Affinity
@@ -126,6 +127,15 @@ class Decision:
         max_tokens = self.request.max_tokens or 1
         return leg_load(leg, self.features.prompt_tokens, max_tokens, cached)
 
+    def prediction_for(self, backends: Sequence[BackendState]) -> Prediction | None:
+        """The plan's prediction if `backends` (prefiller first) are the ones it was made for, else None:
+        a request a retry or a fallback moved to another backend (or from a split to one backend) would
+        credit that backend with another one's queue and compute."""
+        predicted = self.plan.predicted
+        if predicted is None or predicted.rows != tuple(self.pool.backends.index(b) for b in backends):
+            return None
+        return predicted
+
     def utilisation(self, rows: tuple[int, ...]) -> float:
         """The lowest load/capacity among `rows`: 1.0 means even the least busy one is full."""
         c = self.candidates
@@ -207,7 +217,8 @@ class Decider:
         rule the simulator uses (`scoring/outcome.py`): each leg credited to the backend that did it,
         against the prediction the plan was made with."""
         router = self.routers[decision.request.model]
-        if not router.learns:
+        predicted = decision.prediction_for(served.backends)
+        if not router.learns or predicted is None:
             return
         prefiller, decoder = served.backends[0], served.backends[-1]
         split = len(served.backends) > 1
@@ -224,7 +235,7 @@ class Decider:
             prefill_backend_id=prefiller.id if split else "",
             prefill_done_s=served.prefill_done_s if split else math.nan,
         )
-        for outcome in outcomes_of(measured, decision.plan.predicted):
+        for outcome in outcomes_of(measured, predicted):
             router.observe(outcome)
             backend = outcome.backend_id
             self.metrics.cost_model_error.labels(backend).set(router.correction(backend))

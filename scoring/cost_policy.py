@@ -96,7 +96,7 @@ _CLIP = CLIP  # the transfer corrections, as the compute ones
 _TPOT_CLIP = (0.5, 4.0)
 _PLANNED_KEPT = 64  # per backend: more than a step's worth of queued prompts
 # A `Prediction`'s fields in order, less `joined` (what `CostRanker._route` builds it from).
-_Predicted = tuple[float, float, float, float, float, float, float]
+_Predicted = tuple[float, float, float, float, float, float, float, tuple[int, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +333,7 @@ class CostRanker(SimpleRanker):
         agg_pred = (
             float(p.wait[best_agg]), float(p.compute[best_agg]), 0.0, float(p.ttft[best_agg]),
             float(p.tpot[best_agg]), float(p.roofline_wait[best_agg]), float(p.roofline_compute[best_agg]),
+            (best_agg,),
         )  # fmt: skip
         if pair is None:
             reason = "never" if split.disaggregation is Disaggregation.NEVER else "no_split"
@@ -447,6 +448,7 @@ class CostRanker(SimpleRanker):
             float(p.tpot[di]),
             float(p.roofline_wait[pi]),
             float(p.roofline_compute[pi]),
+            (pi, di),
         )
         return prefills, decodes, pred, key
 

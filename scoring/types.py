@@ -158,13 +158,14 @@ class Joined:
 class Prediction:
     """What a pricing policy (`cost`) expects of the plan it chose, in seconds.
 
-    `wait_s` is the queue ahead of the request's prefill, `compute_s` its own prefill, both on the
-    prefill backend (the aggregated one when not split); `transfer_s` the KV transfer (0 when not
-    split); `ttft_s` their sum plus the first decode step after a split; `tpot_s` the decode step at the
-    batch and context the request joins. `roofline_queue_s` and `roofline_compute_s` are the first two
-    as the roofline has them, before any learnt correction. Outcomes carry them back so calibration can
-    tell queue from compute (`scoring/outcome.py`, `scoring/calibration.py`); `joined` grows after the
-    plan (see `Joined`).
+    `wait_s` is the queue ahead of the request's prefill, `compute_s` its own prefill, both on the prefill
+    backend (the aggregated one when not split); `transfer_s` the KV transfer (0 when not split); `ttft_s`
+    their sum plus the first decode step after a split; `tpot_s` the decode step at the batch and context
+    the request joins. `roofline_queue_s` and `roofline_compute_s` are the first two as the roofline has
+    them, before any learnt correction. `rows` names the backends it was made for: a request served
+    by others (a retry, a fallback) teaches nothing with it. Outcomes carry them back so calibration can tell
+    queue from compute (`scoring/outcome.py`, `scoring/calibration.py`); `joined` grows after the plan
+    (see `Joined`).
     """
 
     wait_s: float = 0.0
@@ -174,6 +175,7 @@ class Prediction:
     tpot_s: float = 0.0
     roofline_queue_s: float = 0.0
     roofline_compute_s: float = 0.0
+    rows: tuple[int, ...] = ()  # the `Candidates` rows it is for: (backend,) or (prefill, decode)
     joined: Joined | None = field(default=None, compare=False)
 
 

@@ -52,3 +52,28 @@ def test_an_aggregated_stream_teaches_compute_and_tpot_and_a_plain_reply_nothing
     assert metric(gw.url, "hetgate:cost_model_error", backend="b") not in (0.0, 1.0)
     assert metric(gw.url, "hetgate:cost_model_queue_error", backend="b") not in (0.0, 1.0)
     assert metric(gw.url, "hetgate:cost_model_tpot_error", backend="b") not in (0.0, 1.0)
+
+
+def test_a_request_retried_elsewhere_teaches_nothing(sim, gateway):
+    """The plan priced the MI300X (its queue, its compute); a 503 there sends the request to the MI308X.
+    Credited with the MI300X's prediction, the MI308X would learn the MI300X's roofline as its own."""
+    fast, slow = sim(accelerator="mi300x"), sim(accelerator="mi308x")
+    fast.set_faults({"error_status": 503})
+    cfg = config(
+        [
+            backend(fast, "fast", accelerator="mi300x", gpus=8),
+            backend(slow, "slow", accelerator="mi308x", gpus=8),
+        ],
+        routing={"policy": "cost", "disaggregation": "never"},
+        health={"backpressure_cooldown_s": 0},  # a 503 would put it last for the next request
+    )
+    cfg["models"][0]["spec"] = "deepseek-r1"
+    gw = gateway(cfg)
+    for i in range(3):  # prompts that share no prefix: the MI308X's cache would draw the next one there
+        body = chat_body(f"long prompt {i} " * 2000, max_tokens=6, stream=True)
+        with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=15) as response:
+            assert response.status_code == 200
+            assert response.headers["x-hetgate-route"] == "mode=aggregated; backend=slow"
+            assert b"".join(response.iter_raw()).rstrip().endswith(b"data: [DONE]")
+    assert metric(gw.url, "hetgate:retries_total") == 3  # each one planned on the MI300X first
+    assert metric(gw.url, "hetgate:cost_model_error", backend="slow") == 0.0  # never published
