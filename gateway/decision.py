@@ -215,7 +215,7 @@ class Decider:
     def learn(self, decision: Decision, served: Served) -> None:
         """Feed what a streamed request measured back to its router, if it learns, by the one outcome
         rule the simulator uses (`scoring/outcome.py`): each leg credited to the backend that did it,
-        against the prediction the plan was made with."""
+        against the prediction the plan was made with, if it was served where that plan priced it."""
         router = self.routers[decision.request.model]
         predicted = decision.prediction_for(served.backends)
         if not router.learns or predicted is None:

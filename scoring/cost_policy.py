@@ -360,7 +360,8 @@ class CostRanker(SimpleRanker):
         `dataclasses.replace`, it cost more than the rest of the plan's bookkeeping."""
         mode, aggregated, prefill, decode, reason = plan
         row = prefill[0] if mode is Mode.PD else aggregated[0]
-        joined = self._join(request, c, row, predicted[0], predicted[6])
+        wait_s, roofline_compute_s = predicted[0], predicted[6]
+        joined = self._join(request, c, row, wait_s, roofline_compute_s)
         return RoutePlan(mode, aggregated, prefill, decode, reason, Prediction(*predicted, joined=joined))
 
     def _join(
