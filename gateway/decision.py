@@ -61,6 +61,20 @@ def slo_override(headers: dict[bytes, bytes]) -> SloOverride:
     return values[0], values[1]
 
 
+def route_text(backends: Sequence[BackendState], predicted: Prediction | None, note: str = "") -> str:
+    """The `x-hetgate-route` value of a served request, one rule for `serve` and `epp`: how it was served
+    (`backends`: one, or the prefiller then the decoder) and, when its plan priced those backends, the
+    TTFT and TPOT the plan predicted, so a client can set them beside what it measures."""
+    if len(backends) > 1:
+        text = f"mode=pd; prefill={backends[0].id}; decode={backends[-1].id}{note}"
+    else:
+        text = f"mode=aggregated; backend={backends[0].id}{note}"
+    if predicted is None:
+        return text
+    ttft_ms, tpot_ms = predicted.ttft_s * 1e3, predicted.tpot_s * 1e3
+    return f"{text}; predicted_ttft_ms={ttft_ms:.1f}; predicted_tpot_ms={tpot_ms:.2f}"
+
+
 def needs_prompt_tokens(config: GatewayConfig, routers: dict[str, Router]) -> bool:
     """The `auto` split and the policies that price prompts (prefix share, cost) read its length."""
     return config.routing.disaggregation == "auto" or any(r.uses_prefix_index for r in routers.values())

@@ -190,6 +190,7 @@ class CompletionHandler:
         try:
             decision = await self.decider.decide(ex.request, pool, headers, slo, started=ex.started)
             ex.prompt_tokens = decision.features.prompt_tokens
+            ex.predicted = decision.prediction_for
             if decision.cached is not None:
                 ex.cached = _cached_lookup(pool, decision.cached)
             if decision.plan.mode is Mode.PD:

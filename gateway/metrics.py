@@ -65,6 +65,22 @@ class GatewayMetrics:
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
+        # The same requests' TTFT and TPOT as the plan predicted them (`cost`: streamed requests served
+        # where their plan priced them), so a dashboard puts predicted and observed quantiles side by side.
+        self.predicted_ttft = Histogram(
+            "hetgate:predicted_time_to_first_token_seconds",
+            "Time to first token the routing plan predicted, for the streamed requests it priced",
+            ["model", "mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.predicted_tpot = Histogram(
+            "hetgate:predicted_time_per_output_token_seconds",
+            "Time per output token the routing plan predicted, for the streamed requests it priced",
+            ["model", "mode"],
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
             "hetgate:e2e_request_latency_seconds",
             "Request latency seen by the gateway, first byte in to last byte out",

@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 
 from gateway.config import GatewayConfig
+from gateway.decision import route_text
 from gateway.errors import GatewayError, NoBackend, UpstreamFailed, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.registry import BackendState, Registry, Reservation
@@ -41,9 +42,15 @@ from gateway.schemas import ParsedRequest
 from gateway.sse import EventCutter, EventTooLarge, UsageRewriter
 from gateway.upstream import Leg, LegFailed, Upstream
 from scoring.load import leg_load
-from scoring.types import LegLoad
+from scoring.types import LegLoad, Prediction
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+PredictionFor = Callable[[Sequence[BackendState]], Prediction | None]
+
+
+def _unpriced(backends: Sequence[BackendState]) -> Prediction | None:
+    return None
+
 
 # vLLM's NIXL connectors expect this block on the prefill leg (vllm-reference.md A1).
 NIXL_PREFILL_PARAMS = {
@@ -71,6 +78,7 @@ class Exchange:
     upstream_body: bytes
     prompt_tokens: int = 0  # the router's estimate (0 when the policy needs none)
     cached: Callable[[BackendState], int] | None = None  # prompt tokens the index says a backend holds
+    predicted: PredictionFor = _unpriced  # the plan's prediction, if it priced the backends that served
     served: list[BackendState] = field(default_factory=list)
     mode: str = "aggregated"
     responded: bool = False  # True once the status line went out: errors must then travel in-band
@@ -117,8 +125,7 @@ class Proxy:
         leg = await self._open_first(ex, order, ex.request.kind.path, ex.upstream_body, "aggregated")
         ex.mode = "aggregated"
         ex.served = [leg.backend]
-        route = f"mode=aggregated; backend={leg.backend.id}{note}"
-        await self._relay(ex, leg, send, route, rewrite_cached=None)
+        await self._relay(ex, leg, send, note, rewrite_cached=None)
 
     # -- prefill/decode -------------------------------------------------------------------------------------
 
@@ -160,9 +167,8 @@ class Proxy:
             return
         ex.mode = "pd"
         ex.served = [done.backend, leg.backend]
-        route = f"mode=pd; prefill={done.backend.id}; decode={leg.backend.id}"
         self.metrics.route_decisions.labels(model, "pd", "executed").inc()
-        await self._relay(ex, leg, send, route, rewrite_cached=done.cached_tokens)
+        await self._relay(ex, leg, send, "", rewrite_cached=done.cached_tokens)
 
     async def _prefill(self, ex: Exchange, order: Sequence[BackendState]) -> Prefilled:
         body = dict(ex.request.body)
@@ -281,12 +287,12 @@ class Proxy:
             self._note_failure(leg.backend, failure)
             raise
 
-    async def _relay(
-        self, ex: Exchange, leg: Leg, send: Send, route: str, rewrite_cached: int | None
-    ) -> None:
-        """Send the chosen leg's response to the client, streamed if the client asked for a stream."""
+    async def _relay(self, ex: Exchange, leg: Leg, send: Send, note: str, rewrite_cached: int | None) -> None:
+        """Send the chosen leg's response to the client, streamed if the client asked for a stream; the
+        route header names `ex.served` (and `note`, e.g. why a split fell back)."""
         headers = [(b"content-type", leg.response.headers.get("Content-Type", "application/json").encode())]
         if ex.route_header:
+            route = route_text(ex.served, ex.predicted(ex.served), note)
             headers.append((b"x-hetgate-route", route.encode()))
         headers.append((b"x-request-id", ex.request_id.encode()))
         status = leg.response.status
@@ -386,10 +392,16 @@ class Proxy:
         model, mode = ex.request.model, ex.mode
         self.metrics.requests.labels(model, mode, str(status)).inc()
         self.metrics.e2e.labels(model, mode).observe(now - ex.started)
-        if first_at:
-            self.metrics.ttft.labels(model, mode).observe(first_at - ex.started)
+        if not first_at:
+            return
+        self.metrics.ttft.labels(model, mode).observe(first_at - ex.started)
+        if events > 2:
+            self.metrics.tpot.labels(model, mode).observe((now - first_at) / (events - 2))
+        predicted = ex.predicted(ex.served)
+        if predicted is not None:
+            self.metrics.predicted_ttft.labels(model, mode).observe(predicted.ttft_s)
             if events > 2:
-                self.metrics.tpot.labels(model, mode).observe((now - first_at) / (events - 2))
+                self.metrics.predicted_tpot.labels(model, mode).observe(predicted.tpot_s)
 
 
 _STREAM_ERRORS = {

@@ -32,7 +32,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import Counter
 
 from gateway.config import GatewayConfig
-from gateway.decision import Decider, Decision, Served, slo_override
+from gateway.decision import Decider, Decision, Served, route_text, slo_override
 from gateway.epp import protocol
 from gateway.epp.pd import PrefillRunner, decode_body, fallback_error
 from gateway.errors import BodyTooLarge, GatewayError, ModelNotFound, NoBackend
@@ -354,9 +354,8 @@ class Turn:
     def _route_text(self, backend: BackendState | None) -> str | None:
         if backend is None or self.decision is None:
             return None
-        if self.prefilled is not None:
-            return f"mode=pd; prefill={self.prefilled.id}; decode={backend.id}"
-        return f"mode=aggregated; backend={backend.id}{self.note}"
+        served = [backend] if self.prefilled is None else [self.prefilled, backend]
+        return route_text(served, self.decision.prediction_for(served), self.note)
 
 
 def _dumps(body: dict[str, Any]) -> bytes:

@@ -58,7 +58,8 @@ def test_dashboard_covers_traffic_routing_backends_and_index() -> None:
 
 @pytest.fixture
 def cluster() -> Iterator[GatewayProcess]:
-    """A prefill and a decode backend (simulated) behind a gateway that splits and keeps a prefix index."""
+    """A prefill and a decode backend (simulated) behind a gateway that splits, keeps a prefix index and
+    prices its plans (`cost`, so the predicted-TTFT panels have data)."""
     sims: list[SimThread] = []
     for role in ("both", "decode"):
         sims.append(
@@ -76,9 +77,9 @@ def cluster() -> Iterator[GatewayProcess]:
          "roles": ["decode"], "kv_connector": "nixl"},
     ]  # fmt: skip
     config = {
-        "models": [{"name": MODEL}],
+        "models": [{"name": MODEL, "spec": "deepseek-r1"}],
         "backends": backends,
-        "routing": {"policy": "prefix", "disaggregation": "always"},
+        "routing": {"policy": "cost", "disaggregation": "always"},
         "health": {"interval_s": 0.5, "metrics_interval_s": 0.5},
     }
     gateway = GatewayProcess(config).start()

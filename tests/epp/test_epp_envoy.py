@@ -15,7 +15,7 @@ import pytest
 from bench.harness import free_port
 from bench.sim.simple_engine import SimpleEngineConfig
 from tests.faults.raw_backend import RawBackend, chat_completion, json_reply
-from tests.integration.conftest import MODEL, backend, chat_body, config, metric
+from tests.integration.conftest import MODEL, backend, chat_body, config, metric, route_parts
 
 SLOW = SimpleEngineConfig(ttft_base_s=0.002, prefill_token_s=0.00001, tpot_s=0.05)
 QUIET_HEALTH = {"interval_s": 60.0, "failure_threshold": 5}  # the EPP keeps believing a dead backend is up
@@ -132,7 +132,8 @@ def test_a_fallen_back_request_counts_on_the_endpoint_that_serves_it(sim, epp, e
         before = proxy.stats(retries)[retries]
         body = chat_body(max_tokens=40, stream=True)  # ~2 s of tokens: in flight while we look
         with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=15) as response:
-            assert response.headers["x-hetgate-route"] == "mode=aggregated; backend=alive"
+            served, predicted = route_parts(response.headers["x-hetgate-route"])
+            assert served == "mode=aggregated; backend=alive"
             chunks = response.iter_raw()
             next(chunks)
             counts = {
@@ -144,6 +145,9 @@ def test_a_fallen_back_request_counts_on_the_endpoint_that_serves_it(sim, epp, e
         if proxy.stats(retries)[retries] > before:  # Envoy tried the dead endpoint first
             fallen_back += 1
             assert counts == {"dead": 0, "alive": 1}
+            assert not predicted  # the plan priced the dead endpoint, not the one that served
+        else:
+            assert predicted["predicted_ttft_ms"] > 0, "the plan's prices travel in the route header"
     assert fallen_back >= 1
     assert metric(picker.metrics_url, "hetgate:epp_ttft_samples_total", backend="alive") == 4
 

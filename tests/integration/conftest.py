@@ -93,3 +93,16 @@ def metric(base_url: str, name: str, **labels: str) -> float:
 
 def chat_body(content: str = "Hello there, how are you today?", **fields: Any) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8, **fields}
+
+
+def route_parts(header: str) -> tuple[str, dict[str, float]]:
+    """An `x-hetgate-route` value split into how the request was served and what its plan predicted
+    (`predicted_ttft_ms`, `predicted_tpot_ms`, present when a pricing policy priced those backends)."""
+    served, predicted = [], {}
+    for part in header.split("; "):
+        key, _, value = part.partition("=")
+        if key.startswith("predicted_"):
+            predicted[key] = float(value)
+        else:
+            served.append(part)
+    return "; ".join(served), predicted

@@ -6,7 +6,7 @@ import httpx
 import openai
 import orjson
 
-from tests.integration.conftest import MODEL, backend, chat_body, config, metric
+from tests.integration.conftest import MODEL, backend, chat_body, config, metric, route_parts
 
 
 def pd_gateway(sim, gateway, connector="nixl", **routing):
@@ -95,4 +95,8 @@ def test_cost_policy_sends_long_prompts_to_the_compute_rich_backend(sim, gateway
         ).headers["x-hetgate-route"]
         for _ in range(3)
     ]
-    assert routes == ["mode=aggregated; backend=mi300x-0"] * 3
+    parts = [route_parts(route) for route in routes]
+    assert [served for served, _ in parts] == ["mode=aggregated; backend=mi300x-0"] * 3
+    # The plan's own prices travel with it: a 2,000-word prompt's prefill takes milliseconds at least.
+    for _, predicted in parts:
+        assert predicted["predicted_ttft_ms"] > 1.0 and predicted["predicted_tpot_ms"] > 0.0
