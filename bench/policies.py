@@ -189,6 +189,10 @@ class Row:
     utilisation: dict[str, float]
     requests_per_backend: dict[str, int]
     wall_s: float
+    # Median of measured over predicted TTFT and TPOT, over the completed requests whose plan was priced
+    # (`cost`: the prediction the plan was chosen by); None for policies that predict nothing.
+    ttft_over_predicted_p50: float | None = None
+    tpot_over_predicted_p50: float | None = None
 
 
 @dataclass(slots=True)
@@ -202,6 +206,8 @@ class Outcome:
     output_tokens: int
     pd: bool
     backends: tuple[str, ...]  # the backends that worked on it (prefill first for a split)
+    predicted_ttft_s: float = math.nan  # what its plan predicted (nan: not priced)
+    predicted_tpot_s: float = math.nan
 
 
 def row_from(
@@ -227,6 +233,7 @@ def row_from(
     for o in ok:
         per_backend[o.backends[-1]] = per_backend.get(o.backends[-1], 0) + 1
     tpot_ok = tpot[np.isfinite(tpot)]
+    ttft_ratio, tpot_ratio = _over_predicted(ok)
     return Row(
         scenario=scenario.name,
         cluster=scenario.cluster,
@@ -244,6 +251,8 @@ def row_from(
         tpot_p90_s=float(np.percentile(tpot_ok, 90)) if tpot_ok.size else 0.0,
         pd_share=sum(o.pd for o in ok) / max(len(ok), 1),
         requests_per_backend=per_backend,
+        ttft_over_predicted_p50=ttft_ratio,
+        tpot_over_predicted_p50=tpot_ratio,
         **extra,
     )
 
@@ -258,6 +267,16 @@ def output_throughput(outcomes: Sequence[Outcome]) -> float:
     start = min(o.arrival_s for o in outcomes)
     end = max(o.finish_s for o in ok)
     return sum(o.output_tokens for o in ok) / (end - start) if end > start else 0.0
+
+
+def _over_predicted(ok: Sequence[Outcome]) -> tuple[float | None, float | None]:
+    """Medians of measured over predicted TTFT and TPOT among `ok` (None where nothing was predicted)."""
+    ttft = [(o.first_token_s - o.arrival_s) / o.predicted_ttft_s for o in ok if o.predicted_ttft_s > 0]
+    tpot = [_tpot(o) / o.predicted_tpot_s for o in ok if o.predicted_tpot_s > 0 and o.output_tokens > 1]
+    return (
+        round(float(np.median(ttft)), 3) if ttft else None,
+        round(float(np.median(tpot)), 3) if tpot else None,
+    )
 
 
 def _tpot(o: Outcome) -> float:
@@ -317,8 +336,9 @@ def des_outcome(r: Any) -> Outcome:
     ok = not r.error and r.finish_s == r.finish_s
     backends = (r.prefill_backend, r.backend) if r.prefill_backend else (r.backend,)
     return Outcome(
-        ok, r.arrival_s, r.first_token_s, r.finish_s, r.output_tokens, bool(r.prefill_backend), backends
-    )
+        ok, r.arrival_s, r.first_token_s, r.finish_s, r.output_tokens, bool(r.prefill_backend), backends,
+        r.predicted_ttft_s, r.predicted_tpot_s,
+    )  # fmt: skip
 
 
 def _hit_rate(result: DesResult) -> float:
@@ -516,7 +536,10 @@ def print_report(data: dict[str, Any]) -> None:
     console = Console(width=160)
     rows = data["rows"]
     table = Table(title="policies: one row per scenario x rate x policy", show_lines=False)
-    columns = "scenario mode rate xbound policy tok/s bound goodput ttft_p50 p90 p99 tpot_p90 hit pd util"
+    columns = (
+        "scenario mode rate xbound policy tok/s bound goodput ttft_p50 p90 p99 tpot_p90 hit pd "
+        "ttft/pred tpot/pred util"
+    )
     for col in columns.split():
         table.add_column(col, justify="left" if col in ("scenario", "policy", "mode", "util") else "right")
     for r in rows:
@@ -526,7 +549,8 @@ def print_report(data: dict[str, Any]) -> None:
             r["scenario"], r["mode"], f"{r['rate']:.3g}", f"{r['rate_frac']:.2f}", r["policy"],
             f"{r['output_tok_per_s']:.0f}", f"{bound:.0f}", f"{r['goodput_frac']:.2f}",
             f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p90_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
-            f"{r['tpot_p90_s'] * 1000:.0f}ms", f"{r['prefix_hit_rate']:.2f}", f"{r['pd_share']:.2f}", util,
+            f"{r['tpot_p90_s'] * 1000:.0f}ms", f"{r['prefix_hit_rate']:.2f}", f"{r['pd_share']:.2f}",
+            _fmt(r.get("ttft_over_predicted_p50")), _fmt(r.get("tpot_over_predicted_p50")), util,
         )  # fmt: skip
     console.print(table)
     cap = Table(

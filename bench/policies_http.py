@@ -51,7 +51,7 @@ from bench.policies import (
 from bench.sim.server import SimProcess
 from bench.workloads import WorkloadRequest
 
-_ROUTE = re.compile(r"(prefill|decode|backend)=([^;\s]+)")
+_ROUTE = re.compile(r"(prefill|decode|backend|predicted_ttft_ms|predicted_tpot_ms)=([^;\s]+)")
 
 
 def sim_args(cluster: Cluster, index: int, time_scale: float, port: int | None) -> list[str]:
@@ -137,7 +137,11 @@ async def _one(
     fields = dict(_ROUTE.findall(route))
     backends = tuple(fields[k] for k in ("prefill", "decode", "backend") if k in fields) or ("?",)
     to_sim = lambda t: (t - start) * scale  # noqa: E731
-    return Outcome(ok, to_sim(sent), to_sim(first), to_sim(finish), tokens, "mode=pd" in route, backends)
+    # The gateway's predictions are in the simulated hardware's seconds, as `to_sim` makes the measured ones.
+    predicted = [float(fields.get(f"predicted_{k}_ms", "nan")) / 1000 for k in ("ttft", "tpot")]
+    return Outcome(
+        ok, to_sim(sent), to_sim(first), to_sim(finish), tokens, "mode=pd" in route, backends, *predicted
+    )
 
 
 async def _wait_ready(

@@ -71,7 +71,7 @@ def route_text(backends: Sequence[BackendState], predicted: Prediction | None, n
         text = f"mode=aggregated; backend={backends[0].id}{note}"
     if predicted is None:
         return text
-    ttft_ms, tpot_ms = predicted.ttft_s * 1e3, predicted.tpot_s * 1e3
+    ttft_ms, tpot_ms = predicted.ttft_s * 1e3, predicted.expected_tpot_s * 1e3
     return f"{text}; predicted_ttft_ms={ttft_ms:.1f}; predicted_tpot_ms={tpot_ms:.2f}"
 
 

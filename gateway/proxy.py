@@ -401,7 +401,7 @@ class Proxy:
         if predicted is not None:
             self.metrics.predicted_ttft.labels(model, mode).observe(predicted.ttft_s)
             if events > 2:
-                self.metrics.predicted_tpot.labels(model, mode).observe(predicted.tpot_s)
+                self.metrics.predicted_tpot.labels(model, mode).observe(predicted.expected_tpot_s)
 
 
 _STREAM_ERRORS = {

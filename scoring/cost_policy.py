@@ -96,7 +96,7 @@ _CLIP = CLIP  # the transfer corrections, as the compute ones
 _TPOT_CLIP = (0.5, 4.0)
 _PLANNED_KEPT = 64  # per backend: more than a step's worth of queued prompts
 # A `Prediction`'s fields in order, less `joined` (what `CostRanker._route` builds it from).
-_Predicted = tuple[float, float, float, float, float, float, float, tuple[int, ...]]
+_Predicted = tuple[float, float, float, float, float, float, float, float, tuple[int, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,8 +332,8 @@ class CostRanker(SimpleRanker):
             )
         agg_pred = (
             float(p.wait[best_agg]), float(p.compute[best_agg]), 0.0, float(p.ttft[best_agg]),
-            float(p.tpot[best_agg]), float(p.roofline_wait[best_agg]), float(p.roofline_compute[best_agg]),
-            (best_agg,),
+            float(p.tpot[best_agg]), float(p.tpot_seen[best_agg]), float(p.roofline_wait[best_agg]),
+            float(p.roofline_compute[best_agg]), (best_agg,),
         )  # fmt: skip
         if pair is None:
             reason = "never" if split.disaggregation is Disaggregation.NEVER else "no_split"
@@ -360,7 +360,7 @@ class CostRanker(SimpleRanker):
         `dataclasses.replace`, it cost more than the rest of the plan's bookkeeping."""
         mode, aggregated, prefill, decode, reason = plan
         row = prefill[0] if mode is Mode.PD else aggregated[0]
-        wait_s, roofline_compute_s = predicted[0], predicted[6]
+        wait_s, roofline_compute_s = predicted[0], predicted[7]
         joined = self._join(request, c, row, wait_s, roofline_compute_s)
         return RoutePlan(mode, aggregated, prefill, decode, reason, Prediction(*predicted, joined=joined))
 
@@ -447,6 +447,7 @@ class CostRanker(SimpleRanker):
             float(transfer[a, b]),
             float(ttft[a, b]),
             float(p.tpot[di]),
+            float(p.tpot_seen[di]),
             float(p.roofline_wait[pi]),
             float(p.roofline_compute[pi]),
             (pi, di),

@@ -161,11 +161,12 @@ class Prediction:
     `wait_s` is the queue ahead of the request's prefill, `compute_s` its own prefill, both on the prefill
     backend (the aggregated one when not split); `transfer_s` the KV transfer (0 when not split); `ttft_s`
     their sum plus the first decode step after a split; `tpot_s` the decode step at the batch and context
-    the request joins. `roofline_queue_s` and `roofline_compute_s` are the first two as the roofline has
-    them, before any learnt correction. `rows` names the backends it was made for: a request served
-    by others (a retry, a fallback) teaches nothing with it. Outcomes carry them back so calibration can tell
-    queue from compute (`scoring/outcome.py`, `scoring/calibration.py`); `joined` grows after the plan
-    (see `Joined`).
+    the request joins, and `expected_tpot_s` that TPOT as the SLO check expects it (times the decoder's
+    learnt TPOT correction; what the route header and the predicted-TPOT metric report).
+    `roofline_queue_s` and `roofline_compute_s` are the first two as the roofline has them, before any
+    learnt correction. `rows` names the backends it was made for: a request served by others (a retry,
+    a fallback) teaches nothing with it. Outcomes carry them back so calibration can tell queue from
+    compute (`scoring/outcome.py`, `scoring/calibration.py`); `joined` grows after the plan (see `Joined`).
     """
 
     wait_s: float = 0.0
@@ -173,6 +174,7 @@ class Prediction:
     transfer_s: float = 0.0
     ttft_s: float = 0.0
     tpot_s: float = 0.0
+    expected_tpot_s: float = 0.0
     roofline_queue_s: float = 0.0
     roofline_compute_s: float = 0.0
     rows: tuple[int, ...] = ()  # the `Candidates` rows it is for: (backend,) or (prefill, decode)

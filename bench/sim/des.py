@@ -76,6 +76,8 @@ class RequestRecord:
     first_token_s: float = float("nan")
     finish_s: float = float("nan")
     error: str = ""
+    predicted_ttft_s: float = float("nan")  # what the plan predicted, if its router priced it
+    predicted_tpot_s: float = float("nan")
 
     @property
     def ttft_s(self) -> float:
@@ -308,6 +310,9 @@ class Replay:
         plan = self.sim.router.plan(features, candidates)
         record = self.records[i]
         record.mode = plan.mode
+        if plan.predicted is not None:  # the DES serves every request where its plan priced it
+            predicted = plan.predicted
+            record.predicted_ttft_s, record.predicted_tpot_s = predicted.ttft_s, predicted.expected_tpot_s
         if self.sim.router.learns:
             self.predicted[w.request_id] = plan.predicted
         if plan.mode == Mode.PD and plan.prefill and plan.decode:

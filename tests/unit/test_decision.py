@@ -36,7 +36,7 @@ def test_the_route_names_the_backends_and_what_the_plan_predicted_for_them():
         == "mode=aggregated; backend=p; fallback=decode_failed"
     )
     assert route_text([p, d], None) == "mode=pd; prefill=p; decode=d"
-    priced = Prediction(ttft_s=0.12345, tpot_s=0.0314159, rows=(0, 1))
+    priced = Prediction(ttft_s=0.12345, tpot_s=0.01, expected_tpot_s=0.0314159, rows=(0, 1))
     assert route_text([p, d], priced) == (
         "mode=pd; prefill=p; decode=d; predicted_ttft_ms=123.5; predicted_tpot_ms=31.42"
     )
