@@ -10,7 +10,9 @@ to 40 %: held-out medians ranged 5-35 % on a quiet machine. Three causes were fo
   residual on exact synthetic points); it now also starts 10x apart along that valley;
 - `short-fit` went to 640 tokens and the check to 896: the held-out TTFT at 896 came out 7-21 % high. The
   fit now spans 128-960 tokens.
-Streams that a starved API server delivered in one burst are left out and counted (`burst_streams`). Six
+Streams that a starved API server delivered in one burst are left out and counted (`burst_streams`); a point
+whose every stream burst is measured again, up to `--rounds` more times (`extra_rounds`: one CI run under load
+had all 12 streams of cold-256x4 burst and no TTFT to compare). Six
 runs of exactly this check with all of it (3 rounds, a server like the session's, another process busy on the
 second core in all of them) gave held-out medians of at most 12.4 % in three runs without bursts (2.5 / 4.6 /
 1.7 % in the quietest) and at most 17 % in three runs with 21-34 burst streams. 25 % bounds that with
