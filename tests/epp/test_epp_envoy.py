@@ -551,6 +551,9 @@ def test_sampled_streams_feed_ttft_to_the_cost_model_and_stay_intact(sim, epp, e
             texts.append(b"".join(response.iter_raw()).decode())
     post(proxy.url)  # not streamed: never sampled
     assert metric(picker.metrics_url, "hetgate:epp_ttft_samples_total", backend="b0") == 2
+    # The two samples' TTFT beside what their plans predicted, as `serve` publishes every stream's.
+    assert metric(picker.metrics_url, "hetgate:time_to_first_token_seconds_count") == 2
+    assert metric(picker.metrics_url, "hetgate:predicted_time_to_first_token_seconds_count") == 2
     assert all(t.count("data: ") == 8 and t.rstrip().endswith("data: [DONE]") for t in texts)
     # What it learnt is published as serve publishes it (1.0 would mean nothing was learnt).
     assert metric(picker.metrics_url, "hetgate:cost_model_error", backend="b0") not in (0.0, 1.0)
