@@ -30,6 +30,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
     from gateway.registry import BackendState
+    from scoring.types import Prediction
 
 # Why a split request fell back (gateway/proxy.py names them in the route header too).
 PD_FALLBACK_REASONS = ("prefill_failed", "no_kv_params", "decode_failed")
@@ -51,42 +52,36 @@ class GatewayMetrics:
         self.requests = Counter(
             "hetgate:requests", "Requests finished", ["model", "mode", "status"], registry=r
         )
-        self.ttft = Histogram(
-            "hetgate:time_to_first_token_seconds",
+
+        def by_mode(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"hetgate:{name}", text, ["model", "mode"], buckets=buckets, registry=r)
+
+        self.ttft = by_mode(
+            "time_to_first_token_seconds",
             "Time to the first streamed byte sent to the client",
-            ["model", "mode"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.tpot = Histogram(
-            "hetgate:time_per_output_token_seconds",
+        self.tpot = by_mode(
+            "time_per_output_token_seconds",
             "Mean time between streamed chunks after the first",
-            ["model", "mode"],
-            buckets=_TPOT_BUCKETS,
-            registry=r,
+            _TPOT_BUCKETS,
         )
         # The same requests' TTFT and TPOT as the plan predicted them (`cost`: streamed requests served
         # where their plan priced them), so a dashboard puts predicted and observed quantiles side by side.
-        self.predicted_ttft = Histogram(
-            "hetgate:predicted_time_to_first_token_seconds",
+        self.predicted_ttft = by_mode(
+            "predicted_time_to_first_token_seconds",
             "Time to first token the routing plan predicted, for the streamed requests it priced",
-            ["model", "mode"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.predicted_tpot = Histogram(
-            "hetgate:predicted_time_per_output_token_seconds",
+        self.predicted_tpot = by_mode(
+            "predicted_time_per_output_token_seconds",
             "Time per output token the routing plan predicted, for the streamed requests it priced",
-            ["model", "mode"],
-            buckets=_TPOT_BUCKETS,
-            registry=r,
+            _TPOT_BUCKETS,
         )
-        self.e2e = Histogram(
-            "hetgate:e2e_request_latency_seconds",
+        self.e2e = by_mode(
+            "e2e_request_latency_seconds",
             "Request latency seen by the gateway, first byte in to last byte out",
-            ["model", "mode"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
         self.upstream_errors = Counter(
             "hetgate:upstream_errors", "Failed upstream attempts", ["backend", "kind"], registry=r
@@ -229,6 +224,18 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+
+    def first_token(self, model: str, mode: str, ttft_s: float, predicted: Prediction | None) -> None:
+        """A streamed request's TTFT, and its plan's where the plan priced the backends that served it."""
+        self.ttft.labels(model, mode).observe(ttft_s)
+        if predicted is not None:
+            self.predicted_ttft.labels(model, mode).observe(predicted.ttft_s)
+
+    def token_gap(self, model: str, mode: str, tpot_s: float, predicted: Prediction | None) -> None:
+        """A completed stream's TPOT, and the one its plan expected (`first_token`'s rule)."""
+        self.tpot.labels(model, mode).observe(tpot_s)
+        if predicted is not None:
+            self.predicted_tpot.labels(model, mode).observe(predicted.expected_tpot_s)
 
     def initialise(self, models: Iterable[str]) -> None:
         """Create every series whose labels are known at start, at 0, so dashboards and alerts see a

@@ -394,14 +394,10 @@ class Proxy:
         self.metrics.e2e.labels(model, mode).observe(now - ex.started)
         if not first_at:
             return
-        self.metrics.ttft.labels(model, mode).observe(first_at - ex.started)
-        if events > 2:
-            self.metrics.tpot.labels(model, mode).observe((now - first_at) / (events - 2))
         predicted = ex.predicted(ex.served)
-        if predicted is not None:
-            self.metrics.predicted_ttft.labels(model, mode).observe(predicted.ttft_s)
-            if events > 2:
-                self.metrics.predicted_tpot.labels(model, mode).observe(predicted.expected_tpot_s)
+        self.metrics.first_token(model, mode, first_at - ex.started, predicted)
+        if events > 2:
+            self.metrics.token_gap(model, mode, (now - first_at) / (events - 2), predicted)
 
 
 _STREAM_ERRORS = {

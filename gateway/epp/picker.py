@@ -331,17 +331,13 @@ class Turn:
         now = time.perf_counter()
         self.picker.decider.learn(self.decision, Served((self.timing,), now))
         self.picker.calibrations.labels(self.timing.id).inc()
-        self._observe_ttft(self.decision, self.timing, now)
+        # Its TTFT beside the plan's, as `serve` publishes every stream's (no TPOT: only the first chunk
+        # of a sampled reply is timed).
+        predicted = self.decision.prediction_for((self.timing,))
+        self.picker.metrics.first_token(
+            self.decision.request.model, "aggregated", now - self.decision.started, predicted
+        )
         self.timing = None
-
-    def _observe_ttft(self, decision: Decision, backend: BackendState, first_s: float) -> None:
-        """The sampled reply's TTFT beside the plan's, in the histograms `serve` fills for every stream
-        (it times only the first chunk of the replies it samples, so it has no TPOT)."""
-        metrics, model = self.picker.metrics, decision.request.model
-        metrics.ttft.labels(model, "aggregated").observe(first_s - decision.started)
-        predicted = decision.prediction_for((backend,))
-        if predicted is not None:
-            metrics.predicted_ttft.labels(model, "aggregated").observe(predicted.ttft_s)
 
     def _served(self, decision: Decision, backend: BackendState, status: bytes) -> None:
         if self.holding is None or backend is not self.holding.backend:
