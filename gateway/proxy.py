@@ -305,8 +305,8 @@ class Proxy:
         ex.responded = True
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
+        self._observe(ex, status)  # before the response ends, as `_stream` does
         await send({"type": "http.response.body", "body": body})
-        self._observe(ex, status)
 
     async def _stream(
         self,
@@ -360,8 +360,9 @@ class Proxy:
             self._note_failure(leg.backend, failure)
             message = _STREAM_ERRORS.get(failure.kind, "The backend stream broke.")
             await send({"type": "http.response.body", "body": sse_error_event(message), "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
+        # Counted before the response ends: a client that reads the end and scrapes /metrics finds it.
         self._observe(ex, 200 if failure is None else 502, first_at, events)
+        await send({"type": "http.response.body", "body": b""})
         if failure is None:
             await self._drain(leg, chunks)
 
