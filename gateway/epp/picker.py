@@ -20,6 +20,7 @@ responses.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -60,8 +61,8 @@ class Shed(GatewayError):
 class PickerSettings:
     shed_at: float | None = None  # shed when even the least busy backend's load/capacity reaches this
     max_endpoints: int = 0  # endpoints in the answer (0: all ranked; 1 for proxies without fallbacks)
-    # One streamed reply in this many has its first chunk sent to the EPP, to measure TTFT for the cost
-    # model; 0: never. Each sampled chunk costs a gRPC round trip, so it stays a sample.
+    # One streamed reply in this many is sent through the EPP chunk by chunk, to measure its TTFT and
+    # TPOT for the cost model; 0: never. Each chunk costs a gRPC round trip, so it stays a sample.
     calibrate_every: int = 0
 
 
@@ -128,7 +129,7 @@ class Turn:
         self.prefilled: BackendState | None = None
         self.mode = "aggregated"
         self.note = ""
-        self.timing: BackendState | None = None  # sampled stream: the backend whose first chunk we await
+        self.timing: SampledStream | None = None  # a sampled stream, timed chunk by chunk
 
     async def on(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request")
@@ -142,7 +143,7 @@ class Turn:
         if kind == "response_headers":
             return [self._on_response(message)]
         if kind == "response_body":
-            self._first_chunk()
+            self._sampled_chunk(message.response_body)
             return [protocol.pass_response_body()]
         if kind == "response_trailers":
             return [protocol.pass_response_trailers()]
@@ -150,6 +151,7 @@ class Turn:
 
     def close(self) -> None:
         """The stream ended (response done, client gone or Envoy reset): give back every reservation."""
+        self._learn_sampled()  # a sampled reply cut short: its TTFT alone
         for reservation in self.reservations:
             reservation.release()
         self.holding = None
@@ -302,42 +304,54 @@ class Turn:
             self._served(decision, backend, headers.get(":status", b"200"))
         route = self._route_text(backend) if self.picker.config.routing.route_header else None
         reply = protocol.response_headers(route, strip_served=protocol.SERVED in headers)
-        if self._calibrates(decision, backend, headers):
-            self.timing = backend
+        if backend is not None and self._calibrates(decision, headers):
+            self.timing = SampledStream(backend)
             reply.mode_override.response_body_mode = ProcessingMode.BodySendMode.STREAMED
         elif decision is not None and not decision.request.stream and self.holding is not None:
             self.holding.prefill_done()  # a whole reply: the backend's prefill is long over
         return reply
 
-    def _calibrates(
-        self, decision: Decision | None, backend: BackendState | None, headers: dict[str, bytes]
-    ) -> bool:
+    def _calibrates(self, decision: Decision | None, headers: dict[str, bytes]) -> bool:
         """Streamed aggregated replies only (`serve` learns from the same ones), one in N."""
         return (
             decision is not None
-            and backend is not None
             and self.prefilled is None
             and decision.request.stream
             and headers.get(":status") == b"200"
             and self.picker.sample_stream(decision.request.model)
         )
 
-    def _first_chunk(self) -> None:
-        """The first streamed chunk of a sampled reply: its arrival is the TTFT the cost model learns."""
-        if self.timing is None or self.decision is None:
+    def _sampled_chunk(self, body: pb.HttpBody) -> None:
+        """A chunk of a sampled reply: the first is its TTFT (the prefill is over then); the last, with
+        the events counted between, its TPOT. Both are learnt at the end, as `serve` learns them."""
+        timing, decision = self.timing, self.decision
+        if timing is None or decision is None:
             return
-        if self.holding is not None:
-            self.holding.prefill_done()
         now = time.perf_counter()
-        self.picker.decider.learn(self.decision, Served((self.timing,), now))
-        self.picker.calibrations.labels(self.timing.id).inc()
-        # Its TTFT beside the plan's, as `serve` publishes every stream's (no TPOT: only the first chunk
-        # of a sampled reply is timed).
-        predicted = self.decision.prediction_for((self.timing,))
-        self.picker.metrics.first_token(
-            self.decision.request.model, "aggregated", now - self.decision.started, predicted
-        )
+        if timing.add(body.body, now):
+            if self.holding is not None:
+                self.holding.prefill_done()
+            self.picker.calibrations.labels(timing.backend.id).inc()
+        if body.end_of_stream:
+            timing.finish_s = now
+            self._learn_sampled()
+
+    def _learn_sampled(self) -> None:
+        """Teach the cost model what the sampled reply measured, and publish it beside the plan's
+        prediction in `serve`'s TTFT and TPOT histograms; once, when it ends or is cut short."""
+        timing, decision = self.timing, self.decision
         self.timing = None
+        if timing is None or decision is None or not timing.first_token_s:
+            return
+        served = timing.served()
+        self.picker.decider.learn(decision, served)
+        model, backends = decision.request.model, served.backends
+        predicted = decision.prediction_for(backends)
+        metrics = self.picker.metrics
+        metrics.first_token(model, "aggregated", timing.first_token_s - decision.started, predicted)
+        if served.output_tokens > 1:
+            gap = (served.finish_s - served.first_token_s) / (served.output_tokens - 1)
+            metrics.token_gap(model, "aggregated", gap, predicted)
 
     def _served(self, decision: Decision, backend: BackendState, status: bytes) -> None:
         if self.holding is None or backend is not self.holding.backend:
@@ -363,6 +377,48 @@ class Turn:
             return None
         served = [backend] if self.prefilled is None else [self.prefilled, backend]
         return route_text(served, self.decision.prediction_for(served), self.note)
+
+
+class SampledStream:
+    """The timing of one sampled reply's SSE body as Envoy streams it to the EPP: when its first chunk
+    came, how many events it carried (`data: ` counted across chunk boundaries), and whether it ended
+    with [DONE] (a complete stream: then its output tokens are its events less [DONE], `serve`'s rule)."""
+
+    __slots__ = ("_tail", "backend", "done", "events", "finish_s", "first_token_s")
+
+    def __init__(self, backend: BackendState) -> None:
+        self.backend = backend
+        self.first_token_s = 0.0
+        self.finish_s = 0.0
+        self.events = 0
+        self.done = False
+        self._tail = b""  # the last bytes of the previous chunk: an event's `data: ` may straddle two
+
+    def add(self, chunk: bytes, now: float) -> bool:
+        """Count one chunk in; True for the first chunk with bytes in it."""
+        first = not self.first_token_s and bool(chunk)
+        if first:
+            self.first_token_s = now
+        # The tail's last 5 bytes cannot hold a whole `data: `, so no event is counted twice; its 11
+        # cannot hold a whole `data: [DONE]`.
+        self.events += (self._tail[-(len(_EVENT) - 1) :] + chunk).count(_EVENT)
+        seen = self._tail + chunk
+        self.done = self.done or _DONE in seen
+        self._tail = seen[-(len(_DONE) - 1) :]
+        return first
+
+    def served(self) -> Served:
+        completed = self.done and self.finish_s > 0 and self.events > 2  # [DONE] and two tokens or more
+        return Served(
+            (self.backend,),
+            self.first_token_s,
+            self.finish_s if completed else math.nan,
+            self.events - 1 if completed else 0,
+        )
+
+
+_EVENT = b"data: "
+_DONE = b"data: [DONE]"
 
 
 def _dumps(body: dict[str, Any]) -> bytes:

@@ -537,7 +537,7 @@ def test_grpc_health_follows_the_backends(sim, epp):
     assert [health_of(picker.grpc_port, s) for s in services] == [serving, not_serving, not_serving]
 
 
-def test_sampled_streams_feed_ttft_to_the_cost_model_and_stay_intact(sim, epp, envoy):
+def test_sampled_streams_feed_ttft_and_tpot_to_the_cost_model_and_stay_intact(sim, epp, envoy):
     server = sim(simple_engine=SLOW)
     cfg = config([backend(server, "b0")], routing={"policy": "cost"})  # a policy that learns
     cfg["models"][0]["spec"] = "deepseek-r1"
@@ -551,12 +551,17 @@ def test_sampled_streams_feed_ttft_to_the_cost_model_and_stay_intact(sim, epp, e
             texts.append(b"".join(response.iter_raw()).decode())
     post(proxy.url)  # not streamed: never sampled
     assert metric(picker.metrics_url, "hetgate:epp_ttft_samples_total", backend="b0") == 2
-    # The two samples' TTFT beside what their plans predicted, as `serve` publishes every stream's.
-    assert metric(picker.metrics_url, "hetgate:time_to_first_token_seconds_count") == 2
-    assert metric(picker.metrics_url, "hetgate:predicted_time_to_first_token_seconds_count") == 2
+    # The two samples' TTFT and TPOT beside what their plans predicted, as `serve` publishes every
+    # stream's: the EPP follows a sampled reply to its end.
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
+        assert metric(picker.metrics_url, f"hetgate:{name}_count") == 2
+        assert metric(picker.metrics_url, f"hetgate:predicted_{name}_count") == 2
+    mean_tpot = metric(picker.metrics_url, "hetgate:time_per_output_token_seconds_sum") / 2
+    assert 0.6 * SLOW.tpot_s < mean_tpot < 2 * SLOW.tpot_s  # the engine's pace, as the EPP saw it
     assert all(t.count("data: ") == 8 and t.rstrip().endswith("data: [DONE]") for t in texts)
     # What it learnt is published as serve publishes it (1.0 would mean nothing was learnt).
     assert metric(picker.metrics_url, "hetgate:cost_model_error", backend="b0") not in (0.0, 1.0)
+    assert metric(picker.metrics_url, "hetgate:cost_model_tpot_error", backend="b0") not in (0.0, 1.0)
 
 
 def test_harness_refuses_fail_open_with_a_streamed_body():

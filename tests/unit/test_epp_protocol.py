@@ -4,14 +4,18 @@ Needs the `epp` extra (scripts/test.sh installs it): a missing one fails here, i
 
 from __future__ import annotations
 
+import math
+
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.struct_pb2 import Struct
 
+from gateway.config import BackendConfig
 from gateway.epp import protocol
-from gateway.epp.picker import Shed
+from gateway.epp.picker import SampledStream, Shed
 from gateway.errors import NoBackend
+from gateway.registry import BackendState
 
 
 def request_with(namespace: str, values: dict) -> pb.ProcessingRequest:
@@ -92,3 +96,50 @@ def test_response_headers_strip_the_served_endpoint_and_add_the_route():
     mutation = reply.response_headers.response.header_mutation
     assert list(mutation.remove_headers) == [protocol.SERVED]
     assert mutation.set_headers[0].header.raw_value == b"mode=aggregated; backend=b0"
+
+
+# -- a sampled reply's timing (gateway/epp/picker.py SampledStream) -----------------------------------------
+def sse_reply(tokens: int) -> bytes:
+    events = [b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n' for _ in range(tokens)]
+    return b"".join(events) + b"data: [DONE]\n\n"
+
+
+def fresh_stream() -> SampledStream:
+    config = BackendConfig.model_validate(
+        {"id": "b0", "url": "http://127.0.0.1:1", "model": "m", "accelerator": "h100"}
+    )
+    return SampledStream(BackendState(config))
+
+
+def sampled(chunks: list[bytes]) -> SampledStream:
+    stream = fresh_stream()
+    for at, chunk in enumerate(chunks, start=1):
+        stream.add(chunk, float(at))
+    stream.finish_s = float(len(chunks))
+    return stream
+
+
+@pytest.mark.parametrize("size", [1, 3, 5, 6, 7, 11, 12, 13, 1000])
+def test_a_sampled_reply_counts_its_events_however_envoy_cut_it(size):
+    """Cut every `size` bytes, so `data: ` and `data: [DONE]` straddle chunk boundaries at every offset:
+    each event is counted once, and the end is seen."""
+    body = sse_reply(7)
+    stream = sampled([body[i : i + size] for i in range(0, len(body), size)])
+    served = stream.served()
+    assert stream.events == 8
+    assert served.output_tokens == 7
+    assert served.first_token_s == 1.0 and served.finish_s == stream.finish_s
+
+
+def test_a_reply_cut_short_teaches_its_first_token_only():
+    body = sse_reply(7)
+    served = sampled([body[: len(body) - 8]]).served()  # [DONE] never came
+    assert served.output_tokens == 0 and math.isnan(served.finish_s)
+    assert served.first_token_s == 1.0
+
+
+def test_an_empty_chunk_is_not_the_first_token():
+    stream = fresh_stream()
+    assert not stream.add(b"", 1.0)
+    assert stream.add(sse_reply(1), 2.0)
+    assert stream.first_token_s == 2.0
