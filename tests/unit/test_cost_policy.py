@@ -414,6 +414,21 @@ def test_tpot_correction_converges_to_measured_over_predicted(deepseek, truth):
     assert ranker.correction("mi300x-0") == pytest.approx(1.0)  # TPOT does not move the compute part
 
 
+def test_the_first_outcomes_teach_their_mean_then_a_moving_average_follows(deepseek):
+    """Outcome n moves the TPOT correction by 1/(n+1) of its error (the start counting as one outcome),
+    down to `learning_rate`: two outcomes 2x the prediction leave 1 + 2/3, not the 1.19 of two steps at
+    0.1; a backend that then slows further is followed at the moving average's pace."""
+    ranker = CostRanker(deepseek, learning_rate=0.1)
+    decode_outcomes(ranker, "mi300x-0", 2.0, 1)
+    assert ranker.tpot_correction("mi300x-0") == pytest.approx(1.5)  # half way: 1/(1+1)
+    decode_outcomes(ranker, "mi300x-0", 2.0, 1)
+    assert ranker.tpot_correction("mi300x-0") == pytest.approx(1.5 * (1 + (2.0 / 1.5 - 1) / 3))
+    decode_outcomes(ranker, "mi300x-0", 2.0, 30)
+    assert ranker.tpot_correction("mi300x-0") == pytest.approx(2.0, rel=0.02)
+    decode_outcomes(ranker, "mi300x-0", 4.0, 1)  # outcome 33: the rate is down to 0.1
+    assert ranker.tpot_correction("mi300x-0") == pytest.approx(2.0 * 1.1, rel=0.02)
+
+
 def test_a_prefill_leg_teaches_no_tpot(deepseek):
     ranker = CostRanker(deepseek)
     decode_outcomes(ranker, "mi300x-0", 3.0, 50, leg=Leg.PREFILL)
