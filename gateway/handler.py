@@ -224,18 +224,22 @@ class CompletionHandler:
     async def _fail(self, ex: Exchange, send: Send, error: GatewayError) -> None:
         self.metrics.requests.labels(ex.request.model, ex.mode, str(error.status)).inc()
         if not ex.responded:
-            await send_error(send, error, self.route_header)
+            await send_error(send, error, self.route_header, ex.request_id)
 
     def _count_disconnect(self, request: ParsedRequest) -> Callable[[], None]:
         return lambda: self.metrics.client_disconnects.labels(request.model).inc()
 
 
-async def send_error(send: Send, error: GatewayError, route_header: bool) -> None:
+async def send_error(send: Send, error: GatewayError, route_header: bool, request_id: str = "") -> None:
+    """The OpenAI-shaped error; once the request has an id (it was valid), the id the gateway's log names
+    it by, as a successful reply carries it."""
     body = error.body()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers.extend(error.headers)
     if route_header:
         headers.append((b"x-hetgate-route", b"mode=none"))
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

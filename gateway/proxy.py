@@ -37,7 +37,7 @@ from gateway.decision import route_text
 from gateway.errors import GatewayError, NoBackend, UpstreamFailed, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.registry import BackendState, Registry, Reservation
-from gateway.retry import RetryPolicy
+from gateway.retry import RetryPolicy, log_failure
 from gateway.schemas import ParsedRequest
 from gateway.sse import EventCutter, EventTooLarge, UsageRewriter
 from gateway.upstream import Leg, LegFailed, Upstream
@@ -188,14 +188,14 @@ class Proxy:
             "prefill",
         )
         try:
-            raw = await self._read_tracked(leg)
+            raw = await self._read_tracked(ex, leg)
         except LegFailed:
             raise UpstreamFailed("The prefill leg broke.") from None
         finally:
             assert leg.reservation is not None
             leg.reservation.release()  # the prefill's work is over; the decode may run for minutes
         if leg.response.status != 200:
-            self._note_failure(leg.backend, LegFailed("status", False, leg.response.status))
+            self._note_failure(ex, leg.backend, LegFailed("status", False, leg.response.status))
             raise UpstreamFailed("The prefill leg failed.")
         ex.prefill_done_s = time.perf_counter()
         return _prefilled(leg.backend, raw)
@@ -252,6 +252,7 @@ class Proxy:
                         await self._check_decode(ex, leg)
                 except LegFailed as failure:
                     tries.failed(backend, failure)  # its reservation stays until the request ends
+                    log_failure(ex.request_id, leg_kind, backend, failure)
                     answered = answered or (leg_kind == "decode" and failure.kind != "connect")
                     if unreachable is not None and failure.kind == "connect":
                         unreachable.append(backend)
@@ -277,14 +278,15 @@ class Proxy:
         except LegFailed as failure:
             raise LegFailed(failure.kind, retryable=failure.kind == "payload") from None
 
-    def _note_failure(self, backend: BackendState, failure: LegFailed) -> None:
+    def _note_failure(self, ex: Exchange, backend: BackendState, failure: LegFailed) -> None:
+        log_failure(ex.request_id, "", backend, failure)
         self.retry_policy.note(backend, failure)
 
-    async def _read_tracked(self, leg: Leg) -> bytes:
+    async def _read_tracked(self, ex: Exchange, leg: Leg) -> bytes:
         try:
             return await self.upstream.read(leg)
         except LegFailed as failure:
-            self._note_failure(leg.backend, failure)
+            self._note_failure(ex, leg.backend, failure)
             raise
 
     async def _relay(self, ex: Exchange, leg: Leg, send: Send, note: str, rewrite_cached: int | None) -> None:
@@ -299,7 +301,7 @@ class Proxy:
         if ex.request.stream and status == 200:
             await self._stream(ex, leg, send, headers, rewrite_cached)
             return
-        body = leg.body if leg.body is not None else await self._read_tracked(leg)
+        body = leg.body if leg.body is not None else await self._read_tracked(ex, leg)
         if rewrite_cached is not None and status == 200:
             body = UsageRewriter(rewrite_cached).rewrite_json(body)
         ex.responded = True
@@ -357,7 +359,7 @@ class Proxy:
             ex.finished_s, ex.events = time.perf_counter(), events
         else:
             # The partial event (cutter.partial) is dropped: the error starts on an event boundary.
-            self._note_failure(leg.backend, failure)
+            self._note_failure(ex, leg.backend, failure)
             message = _STREAM_ERRORS.get(failure.kind, "The backend stream broke.")
             await send({"type": "http.response.body", "body": sse_error_event(message), "more_body": True})
         # Counted before the response ends: a client that reads the end and scrapes /metrics finds it.

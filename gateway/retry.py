@@ -42,6 +42,7 @@ compared and is not counted; probes and connection failures still take such a ba
 
 from __future__ import annotations
 
+import logging
 from types import TracebackType
 
 from gateway.config import Retry
@@ -49,6 +50,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.outlier import Verdict
 from gateway.registry import BackendState, Registry
 from gateway.upstream import LegFailed
+
+log = logging.getLogger("hetgate.upstream")
 
 _BACKPRESSURE = frozenset({429, 503})
 _GATEWAY_STATUSES = frozenset({502, 503, 504})
@@ -83,6 +86,17 @@ def retry_conditions(failure: LegFailed) -> frozenset[str]:
     if status == _CONFLICT:
         return frozenset({"retriable-4xx"})
     return frozenset()
+
+
+def log_failure(request_id: str, leg: str, backend: BackendState, failure: LegFailed) -> None:
+    """One failed attempt in the gateway's log, as nginx's error log names the upstream that failed and
+    how. `leg`: the attempt's leg (aggregated | prefill | decode), or "" for a response that broke after
+    its headers. No prompt and no key: the request is named by its id (the client's X-Request-Id)."""
+    when = f"{leg} leg" if leg else "response"
+    # A busy vLLM's 429/503 is backpressure, not a fault (see `blame`): not a warning.
+    level = logging.INFO if failure.kind == "status" and failure.status in _BACKPRESSURE else logging.WARNING
+    log.log(level, "request %s: %s on backend %s failed: %s", request_id, when, backend.id,
+            failure.describe())  # fmt: skip
 
 
 def blame(failure: LegFailed, before_first_byte: bool = True) -> tuple[Verdict | None, bool]:

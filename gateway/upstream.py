@@ -28,12 +28,20 @@ class LegFailed(Exception):
     """A leg that produced no usable response. `retryable`: it failed before the response headers, so
     another backend may be tried if `retry.retry_on` says so (gateway/retry.py)."""
 
-    def __init__(self, kind: str, retryable: bool, status: int = 502, body: bytes | None = None) -> None:
+    def __init__(
+        self, kind: str, retryable: bool, status: int = 502, body: bytes | None = None, detail: str = ""
+    ) -> None:
         super().__init__(kind)
         self.kind = kind  # connect | reset | timeout | status | redirect | payload | too_large
         self.retryable = retryable
         self.status = status
         self.body = body
+        self.detail = detail  # for the log: the low-level error's class (no message: it may name hosts)
+
+    def describe(self) -> str:
+        """One phrase for the gateway's log: `reset (ServerDisconnectedError)`, `status 500`."""
+        what = f"status {self.status}" if self.kind == "status" else self.kind
+        return f"{what} ({self.detail})" if self.detail else what
 
 
 class IdleWatchdog:
@@ -113,12 +121,12 @@ class Upstream:
                 response = await self.session.post(
                     backend.config.base_url + path, data=body, headers=headers, allow_redirects=False
                 )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
-            raise LegFailed("connect", retryable=True) from None
-        except aiohttp.ClientError:
-            raise LegFailed("reset", retryable=True) from None
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
+            raise LegFailed("connect", retryable=True, detail=type(error).__name__) from None
+        except aiohttp.ClientError as error:
+            raise LegFailed("reset", retryable=True, detail=type(error).__name__) from None
         except TimeoutError:
-            raise LegFailed("timeout", retryable=True, status=504) from None
+            raise LegFailed("timeout", retryable=True, status=504, detail="no headers in ttfb_s") from None
         status = response.status
         if status in self.failing_statuses:
             payload = await self._read_quietly(response)
@@ -133,9 +141,10 @@ class Upstream:
         try:
             async with asyncio.timeout(self.timeouts.idle_s):
                 return await _read_bounded(leg.response, self.max_response_bytes)
-        except (aiohttp.ClientError, TimeoutError):
+        except (aiohttp.ClientError, TimeoutError) as error:
             leg.response.close()
-            raise LegFailed("payload", retryable=False) from None
+            detail = "no body in idle_s" if isinstance(error, TimeoutError) else type(error).__name__
+            raise LegFailed("payload", retryable=False, detail=detail) from None
         except asyncio.CancelledError:
             leg.response.close()  # the client left: abort the backend's work too
             raise
@@ -145,12 +154,12 @@ class Upstream:
         try:
             async with asyncio.timeout(self.timeouts.idle_s):
                 leg.head = await leg.response.content.readany()
-        except aiohttp.ClientError:
+        except aiohttp.ClientError as error:
             leg.response.close()
-            raise LegFailed("payload", retryable=False) from None
+            raise LegFailed("payload", retryable=False, detail=type(error).__name__) from None
         except TimeoutError:
             leg.response.close()
-            raise LegFailed("timeout", retryable=False) from None
+            raise LegFailed("timeout", retryable=False, detail="no first chunk in idle_s") from None
         except asyncio.CancelledError:
             leg.response.close()  # the client left: abort the backend's work too
             raise
@@ -167,9 +176,10 @@ class Upstream:
                 watchdog.reading()
                 try:
                     chunk = await content.readany()
-                except aiohttp.ClientError:
+                except aiohttp.ClientError as error:
                     leg.response.close()
-                    raise LegFailed("timeout" if watchdog.fired else "payload", retryable=False) from None
+                    kind, detail = ("timeout", "no chunk in idle_s") if watchdog.fired else ("payload", "")
+                    raise LegFailed(kind, retryable=False, detail=detail or type(error).__name__) from None
                 watchdog.paused()
                 if not chunk:
                     return

@@ -27,7 +27,7 @@ from gateway.errors import GatewayError, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import NIXL_PREFILL_PARAMS
 from gateway.registry import BackendState, Registry, Reservation
-from gateway.retry import RetryPolicy
+from gateway.retry import RetryPolicy, log_failure
 from gateway.schemas import ParsedRequest
 from gateway.upstream import Leg, LegFailed, Upstream
 from scoring.types import LegLoad
@@ -92,22 +92,24 @@ class PrefillRunner:
                     # Its reservation stays until the request ends, as in `serve` (gateway/proxy.py): a
                     # backend that fails fast must not look idle to the next request's ranking.
                     tries.failed(backend, failure)
+                    log_failure(request_id, "prefill", backend, failure)
                     if failure.retryable and tries.should_retry(failure, i + 1, len(order)):
                         continue
                     break
                 tries.succeeded(backend, leg.response.status)
                 try:
-                    return await self._answer(leg)
+                    return await self._answer(leg, request_id)
                 finally:
                     reservation.release()  # the prefill's work is over; the decode may run for minutes
         raise UpstreamFailed("The prefill leg failed.")
 
-    async def _answer(self, leg: Leg) -> Prefilled:
+    async def _answer(self, leg: Leg, request_id: str) -> Prefilled:
         """The opened leg's result; a body that breaks or a non-200 answer fails the leg (no retry: the
         backend answered, as `serve`'s prefill leg)."""
         try:
             raw = await self.upstream.read(leg)
         except LegFailed as failure:
+            log_failure(request_id, "", leg.backend, failure)
             self.retry_policy.note(leg.backend, failure)
             raise UpstreamFailed("The prefill leg broke.") from None
         if leg.response.status != 200:

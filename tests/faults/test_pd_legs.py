@@ -83,6 +83,11 @@ def test_unreachable_decode_is_retried_without_a_recompute(sim, gateway):  # noq
     assert metric(gw.url, "hetgate:upstream_errors_total", backend="dead", kind="connect") >= 1
     assert metric(gw.url, "hetgate:pd_decode_recomputes_total") == 0  # it never saw the parameters
     assert metric(prefill.url, HELD) == 0
+    # Each failed attempt is in the gateway's log, as nginx's error log has it: the request's id, the
+    # leg, the backend and how it failed; never the prompt.
+    request_id = r.headers["x-request-id"]
+    assert f"request {request_id}: decode leg on backend dead failed: connect (" in gw.log()
+    assert PROMPT.split()[3] not in gw.log()
 
 
 def test_decode_failed_falls_back_to_aggregated_and_says_so(sim, gateway):  # noqa: F811
@@ -120,6 +125,7 @@ def test_decode_failed_with_fallback_off_fails_cleanly(sim, gateway):  # noqa: F
     assert r.json()["error"]["code"] == 502
     assert "decode_failed" in r.json()["error"]["message"]
     assert metric(gw.url, "hetgate:pd_fallbacks_total", to="fail", reason="decode_failed") == 1
+    assert f"request {r.headers['x-request-id']}: decode leg on backend d failed: status 500" in gw.log()
 
 
 def test_nixl_prefill_without_transfer_params_is_a_named_fallback(sim, gateway):  # noqa: F811
