@@ -13,11 +13,14 @@ that workload (bench/clusters.py), and of its SLO bound (the same LP under the S
 state serves more within it). A request meets the SLO when its TTFT <= `--slo-ttft-s` and its TPOT
 <= `--slo-tpot-s`; by default 5x its prompt's unloaded TTFT and 3x the unloaded TPOT on the fastest backend.
 SLO capacity (DistServe's goodput) is the highest rate at which >= 90 % of requests meet it, interpolated
-linearly between the last swept rate that does and the first that does not. A capacity above the SLO
-bound is flagged: the run ended before the queue that rate builds showed (more `--requests` needed).
+linearly between the last swept rate that does and the first that does not. A full sweep then bisects
+that interval `--refine` times per scenario and policy (2 by default: a grid point 1.5x apart from the
+next left every policy's capacity an interpolation over the same cell, and goodput falls off a cliff,
+not a line). A capacity above the SLO bound is flagged: the run ended before the queue that rate builds
+showed (more `--requests` needed).
 
     hetgate bench policies [--quick] [--scenarios A,B] [--policies cost/auto,...]
-                           [--rates R1,R2 | --rate-fracs F1,F2] [--requests N] [--trace FILE]
+                           [--rates R1,R2 | --rate-fracs F1,F2] [--refine N] [--requests N] [--trace FILE]
                            [--json FILE] [--plot FILE] [--jobs J] [--http [--target NAME=URL|NAME=COMMAND]]
 """
 
@@ -383,6 +386,30 @@ def slo_capacity(rows: Sequence[Row]) -> tuple[float, bool]:
     return last_rate, True
 
 
+def crossing(rows: Sequence[Row]) -> tuple[float, float] | None:
+    """The rates `slo_capacity` interpolates between: the last that meets GOAL before the first that does
+    not. None without both (nothing met it, or everything did)."""
+    points = sorted((r.rate, r.goodput_frac) for r in rows)
+    for k, (rate, good) in enumerate(points):
+        if good < GOAL:
+            return (points[k - 1][0], rate) if k > 0 else None
+    return None
+
+
+REFINE_CLOSE = 1.05  # an interval narrower than this (hi/lo) is not bisected further
+
+
+def refinements(plan: Plan, rows: Sequence[Row]) -> list[tuple[str, int, float, str, Slo]]:
+    """One more point per scenario and policy: the middle of its crossing interval, where it is still
+    wider than `REFINE_CLOSE`."""
+    tasks = []
+    for name, policy in sorted({(r.scenario, r.policy) for r in rows}):
+        found = crossing([r for r in rows if (r.scenario, r.policy) == (name, policy)])
+        if found is not None and found[1] > REFINE_CLOSE * found[0]:
+            tasks.append((name, plan.requests, round(0.5 * (found[0] + found[1]), 4), policy, plan.slo))
+    return tasks
+
+
 def capacities(rows: Sequence[Row]) -> list[dict[str, Any]]:
     """SLO capacity per scenario x policy, with cost's ratios over round_robin and prefix (same split
     setting, and best of both settings)."""
@@ -439,6 +466,7 @@ class Plan:
     rates: tuple[float, ...] = ()  # absolute rates, the same for every scenario (overrides rate_fracs)
     slo: Slo = field(default_factory=Slo)
     slo_fracs: tuple[float, ...] = ()  # more rates, as fractions of each scenario's SLO bound
+    refine: int = 0  # bisections of each policy's crossing interval after the grid (`refinements`)
 
 
 def rates_for(plan: Plan, scenario: Scenario) -> list[float]:
@@ -472,11 +500,24 @@ def get_scenario(name: str, n: int) -> Scenario:
 
 
 def sweep(plan: Plan, jobs: int = 1, progress: Callable[[Row], None] | None = None) -> list[Row]:
+    """The grid (every scenario x rate x policy), then `plan.refine` rounds of `refinements`."""
     tasks = []
     for name in plan.scenarios:
         scenario = get_scenario(name, plan.requests)
         for rate in rates_for(plan, scenario):
             tasks += [(name, plan.requests, rate, policy, plan.slo) for policy in plan.policies]
+    rows = _run(tasks, jobs, progress)
+    for _ in range(plan.refine):
+        more = refinements(plan, rows)
+        if not more:
+            break
+        rows += _run(more, jobs, progress)
+    return rows
+
+
+def _run(
+    tasks: list[tuple[str, int, float, str, Slo]], jobs: int, progress: Callable[[Row], None] | None
+) -> list[Row]:
     rows: list[Row] = []
     if jobs <= 1:
         for task in tasks:
@@ -633,6 +674,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--rate-fracs", default=None, help="comma-separated fractions of each scenario's fluid bound")
     add("--requests", type=int, default=None, help="requests per point (default 300; --quick 50)")
     add(
+        "--refine",
+        type=int,
+        default=None,
+        help="bisections of each policy's SLO-capacity interval after the grid (default 2; --quick: 0)",
+    )
+    add(
         "--trace",
         action="append",
         default=[],
@@ -686,7 +733,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
         fracs = tuple(float(x) for x in args.rate_fracs.split(","))
     rates = tuple(float(x) for x in args.rates.split(",")) if args.rates else ()
     slo = Slo(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s)
-    return Plan(scenarios, policies, requests, fracs, rates, slo, slo_fracs)
+    refine = args.refine if args.refine is not None else (0 if args.http or args.quick else 2)
+    return Plan(scenarios, policies, requests, fracs, rates, slo, slo_fracs, refine)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

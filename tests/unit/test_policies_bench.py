@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -290,3 +290,29 @@ def test_a_full_sweep_also_samples_the_rates_where_the_slo_binds() -> None:
     # A grid the user names is swept as named.
     named = pb.plan_from(pb.parse_args(["--scenarios", "seed", "--rate-fracs", "0.1,0.2"]))
     assert pb.rates_for(named, scenario) == [round(fluid * 0.1, 4), round(fluid * 0.2, 4)]
+
+
+def test_refinement_bisects_each_policys_crossing_interval() -> None:
+    """The point added is the middle of the last passing and the first failing rate, per policy; none for
+    a policy that never passed, one that never failed, or an interval already narrow."""
+    plan = pb.Plan(scenarios=["s"], policies=["p", "q"], requests=20)
+    rows = [_row(1, 1.0), _row(2, 0.95), _row(4, 0.5), _row(8, 0.99)]  # the first miss counts, not 8
+    rows += [replace(_row(r, g), policy="q") for r, g in ((1, 0.5), (2, 0.2))]
+    assert pb.crossing(rows[:4]) == (2, 4)
+    assert pb.refinements(plan, rows) == [("s", 20, 3.0, "p", plan.slo)]
+    assert pb.refinements(plan, [_row(1, 1.0), _row(1.04, 0.5)]) == []
+    assert pb.refinements(plan, [_row(1, 1.0), _row(2, 0.95)]) == []
+
+
+def test_a_refined_sweep_measures_inside_the_crossing_and_narrows_the_capacity() -> None:
+    grid = pb.Plan(scenarios=["seed"], policies=["cost/auto"], requests=40, rate_fracs=(0.1, 1.3))
+    coarse = pb.sweep(grid, jobs=1)
+    fine = pb.sweep(replace(grid, refine=2), jobs=1)
+    low, high = pb.crossing(coarse) or (0.0, 0.0)
+    added = sorted(r.rate for r in fine[len(coarse) :])
+    assert len(added) == 2 and all(low < rate < high for rate in added)
+    assert [(r.rate, r.goodput_frac) for r in fine[: len(coarse)]] == [
+        (r.rate, r.goodput_frac) for r in coarse
+    ]
+    refined_low, refined_high = pb.crossing(fine) or (0.0, 0.0)
+    assert refined_high - refined_low == pytest.approx((high - low) / 4, rel=1e-3)
