@@ -191,6 +191,7 @@ class CompletionHandler:
             decision = await self.decider.decide(ex.request, pool, headers, slo, started=ex.started)
             ex.prompt_tokens = decision.features.prompt_tokens
             ex.predicted = decision.prediction_for
+            ex.measured = lambda: self._learn(ex, decision)
             if decision.cached is not None:
                 ex.cached = _cached_lookup(pool, decision.cached)
             if decision.plan.mode is Mode.PD:
@@ -208,8 +209,12 @@ class CompletionHandler:
         self._after(ex, decision)
 
     def _after(self, ex: Exchange, decision: Decision) -> None:
-        """What the request taught: the prefix its backends now hold, and (streamed) its times."""
+        """What the request taught: the prefix its backends now hold."""
         self.decider.served(decision, ex.served)
+
+    def _learn(self, ex: Exchange, decision: Decision) -> None:
+        """What a streamed request's times teach the router (the proxy calls it through `ex.measured`
+        before the stream's end goes out, so a client that read the end finds what it taught)."""
         if ex.ttft_s and ex.served:
             completed = ex.finished_s > 0 and ex.events > 2  # [DONE] and at least two tokens
             served = Served(

@@ -48,6 +48,10 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 PredictionFor = Callable[[Sequence[BackendState]], Prediction | None]
 
 
+def _nothing() -> None:
+    return None
+
+
 def _unpriced(backends: Sequence[BackendState]) -> Prediction | None:
     return None
 
@@ -79,6 +83,7 @@ class Exchange:
     prompt_tokens: int = 0  # the router's estimate (0 when the policy needs none)
     cached: Callable[[BackendState], int] | None = None  # prompt tokens the index says a backend holds
     predicted: PredictionFor = _unpriced  # the plan's prediction, if it priced the backends that served
+    measured: Callable[[], None] = _nothing  # a stream's times are in: teach the router (the handler's)
     served: list[BackendState] = field(default_factory=list)
     mode: str = "aggregated"
     responded: bool = False  # True once the status line went out: errors must then travel in-band
@@ -401,6 +406,7 @@ class Proxy:
         self.metrics.first_token(model, mode, first_at - ex.started, predicted)
         if events > 2:
             self.metrics.token_gap(model, mode, (now - first_at) / (events - 2), predicted)
+        ex.measured()
 
 
 _STREAM_ERRORS = {
