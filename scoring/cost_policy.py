@@ -49,9 +49,10 @@ k_b times the roofline's, as the other work on that backend. Priced with it, the
 in a burst, where all of a group's prompts queue at once (SLO capacity, bursty@nvidia 37.9 -> 3.71
 requests/s, multi-turn 18.8 -> 14.6, Azure conversations 17.7 -> 13.6). t_pd corrects the transfer
 per (prefill, decode) pair from the decode leg's time to first token, moving by `learning_rate` of
-its relative error (more for the first outcomes: `_rate`), clipped to [0.1, 10]. A TPOT correction per backend (measured over predicted TPOT
-of the legs that decoded there, clipped to [0.5, 4]) carries what no prediction at plan time sees: the
-prefill chunks of requests that arrive while a request decodes. It scales TPOT only in the SLO check,
+its relative error (more for the first outcomes: `_rate`), clipped to [0.1, 10]. A TPOT correction
+per backend (measured over predicted TPOT of the legs that decoded there, clipped to [0.5, 4], learnt
+at the same rate) carries what no prediction at plan time sees: the prefill chunks of requests that
+arrive while a request decodes. It scales TPOT only in the SLO check,
 not in the price or the finish time (there it made fast decoders look slow, and an earlier version
 that scaled the decode step itself drove the factors to the clip limits).
 
