@@ -374,26 +374,27 @@ def slo_capacity(rows: Sequence[Row]) -> tuple[float, bool]:
     """(capacity, censored): the highest rate with goodput >= GOAL, interpolated up to the first rate that
     misses it; censored when even the highest rate swept meets it (the capacity is at least that). 0 when
     the lowest rate already misses it (nothing below it was measured, so nothing is claimed)."""
-    points = sorted((r.rate, r.goodput_frac) for r in rows)
-    last_rate, last_good = 0.0, 1.0
-    for k, (rate, good) in enumerate(points):
-        if good < GOAL:
-            if k == 0:
-                return 0.0, False
-            share = (last_good - GOAL) / (last_good - good)
-            return last_rate + share * (rate - last_rate), False
-        last_rate, last_good = rate, good
-    return last_rate, True
+    points, k = _first_miss(rows)
+    if k is None:
+        return points[-1][0] if points else 0.0, True
+    if k == 0:
+        return 0.0, False
+    (last_rate, last_good), (rate, good) = points[k - 1], points[k]
+    share = (last_good - GOAL) / (last_good - good)
+    return last_rate + share * (rate - last_rate), False
 
 
 def crossing(rows: Sequence[Row]) -> tuple[float, float] | None:
     """The rates `slo_capacity` interpolates between: the last that meets GOAL before the first that does
     not. None without both (nothing met it, or everything did)."""
+    points, k = _first_miss(rows)
+    return (points[k - 1][0], points[k][0]) if k else None
+
+
+def _first_miss(rows: Sequence[Row]) -> tuple[list[tuple[float, float]], int | None]:
+    """(rate, goodput) by rate, and the index of the first that misses GOAL (None: none does)."""
     points = sorted((r.rate, r.goodput_frac) for r in rows)
-    for k, (rate, good) in enumerate(points):
-        if good < GOAL:
-            return (points[k - 1][0], rate) if k > 0 else None
-    return None
+    return points, next((k for k, (_, good) in enumerate(points) if good < GOAL), None)
 
 
 REFINE_CLOSE = 1.05  # an interval narrower than this (hi/lo) is not bisected further

@@ -37,7 +37,7 @@ from gateway.decision import route_text
 from gateway.errors import GatewayError, NoBackend, UpstreamFailed, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.registry import BackendState, Registry, Reservation
-from gateway.retry import RetryPolicy, log_failure
+from gateway.retry import RetryPolicy
 from gateway.schemas import ParsedRequest
 from gateway.sse import EventCutter, EventTooLarge, UsageRewriter
 from gateway.upstream import Leg, LegFailed, Upstream
@@ -238,7 +238,7 @@ class Proxy:
         """
         last: LegFailed | None = None
         answered = False  # a decode backend saw these transfer parameters (it may have consumed the KV)
-        with self.retry_policy.attempts() as tries:
+        with self.retry_policy.attempts(ex.request_id, leg_kind) as tries:
             for i, backend in enumerate(order):
                 if i > 0:
                     self.metrics.retries.labels(ex.request.model).inc()
@@ -257,7 +257,6 @@ class Proxy:
                         await self._check_decode(ex, leg)
                 except LegFailed as failure:
                     tries.failed(backend, failure)  # its reservation stays until the request ends
-                    log_failure(ex.request_id, leg_kind, backend, failure)
                     answered = answered or (leg_kind == "decode" and failure.kind != "connect")
                     if unreachable is not None and failure.kind == "connect":
                         unreachable.append(backend)
@@ -284,8 +283,7 @@ class Proxy:
             raise LegFailed(failure.kind, retryable=failure.kind == "payload") from None
 
     def _note_failure(self, ex: Exchange, backend: BackendState, failure: LegFailed) -> None:
-        log_failure(ex.request_id, "", backend, failure)
-        self.retry_policy.note(backend, failure)
+        self.retry_policy.note(backend, failure, ex.request_id)
 
     async def _read_tracked(self, ex: Exchange, leg: Leg) -> bytes:
         try:

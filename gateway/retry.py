@@ -88,7 +88,7 @@ def retry_conditions(failure: LegFailed) -> frozenset[str]:
     return frozenset()
 
 
-def log_failure(request_id: str, leg: str, backend: BackendState, failure: LegFailed) -> None:
+def _log(request_id: str, leg: str, backend: BackendState, failure: LegFailed) -> None:
     """One failed attempt in the gateway's log, as nginx's error log names the upstream that failed and
     how. `leg`: the attempt's leg (aggregated | prefill | decode), or "" for a response that broke after
     its headers. No prompt and no key: the request is named by its id (the client's X-Request-Id)."""
@@ -145,17 +145,19 @@ class RetryPolicy:
         self.registry = registry
         self.metrics = metrics
 
-    def attempts(self) -> Attempts:
-        """The attempts of one leg across backends: `with policy.attempts() as tries: ...`."""
-        return Attempts(self)
+    def attempts(self, request_id: str, leg: str) -> Attempts:
+        """The attempts of one leg (aggregated | prefill | decode) of one request across backends:
+        `with policy.attempts(request_id, leg) as tries: ...`."""
+        return Attempts(self, request_id, leg)
 
     def matches(self, failure: LegFailed) -> bool:
         if failure.kind == "status" and failure.status in self.retriable_statuses:
             return True
         return not self.retry_on.isdisjoint(retry_conditions(failure))
 
-    def note(self, backend: BackendState, failure: LegFailed) -> None:
+    def note(self, backend: BackendState, failure: LegFailed, request_id: str) -> None:
         """A failure outside the attempts (reading a body, mid-stream): counted only when certain."""
+        _log(request_id, "", backend, failure)
         self.metrics.upstream_errors.labels(backend.id, failure.kind).inc()
         verdict, certain = blame(failure, before_first_byte=False)
         if verdict is not None and certain:
@@ -165,10 +167,12 @@ class RetryPolicy:
 class Attempts:
     """One leg's tries: the retry decisions and budget token, and blame held until the outcome is known."""
 
-    __slots__ = ("_pending", "_policy", "_token")
+    __slots__ = ("_leg", "_pending", "_policy", "_request_id", "_token")
 
-    def __init__(self, policy: RetryPolicy) -> None:
+    def __init__(self, policy: RetryPolicy, request_id: str, leg: str) -> None:
         self._policy = policy
+        self._request_id = request_id  # for the log
+        self._leg = leg
         self._pending: list[tuple[BackendState, Verdict]] = []
         self._token = False
 
@@ -185,6 +189,7 @@ class Attempts:
     def failed(self, backend: BackendState, failure: LegFailed) -> None:
         """Report one failed attempt."""
         self._release()
+        _log(self._request_id, self._leg, backend, failure)
         policy = self._policy
         policy.metrics.upstream_errors.labels(backend.id, failure.kind).inc()
         if failure.kind == "status" and failure.status in _BACKPRESSURE:

@@ -178,8 +178,9 @@ class Upstream:
                     chunk = await content.readany()
                 except aiohttp.ClientError as error:
                     leg.response.close()
-                    kind, detail = ("timeout", "no chunk in idle_s") if watchdog.fired else ("payload", "")
-                    raise LegFailed(kind, retryable=False, detail=detail or type(error).__name__) from None
+                    if watchdog.fired:
+                        raise LegFailed("timeout", retryable=False, detail="no chunk in idle_s") from None
+                    raise LegFailed("payload", retryable=False, detail=type(error).__name__) from None
                 watchdog.paused()
                 if not chunk:
                     return

@@ -97,8 +97,8 @@ from scoring.types import (
 _CLIP = CLIP  # the transfer corrections, as the compute ones
 _TPOT_CLIP = (0.5, 4.0)
 _PLANNED_KEPT = 64  # per backend: more than a step's worth of queued prompts
+_Key = TypeVar("_Key", str, tuple[str, str])  # what a correction is kept per: backend, or transfer pair
 # A `Prediction`'s fields in order, less `joined` (what `CostRanker._route` builds it from).
-_Key = TypeVar("_Key", str, tuple[str, str])
 _Predicted = tuple[float, float, float, float, float, float, float, float, tuple[int, ...]]
 
 

@@ -27,7 +27,7 @@ from gateway.errors import GatewayError, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import NIXL_PREFILL_PARAMS
 from gateway.registry import BackendState, Registry, Reservation
-from gateway.retry import RetryPolicy, log_failure
+from gateway.retry import RetryPolicy
 from gateway.schemas import ParsedRequest
 from gateway.upstream import Leg, LegFailed, Upstream
 from scoring.types import LegLoad
@@ -79,7 +79,7 @@ class PrefillRunner:
         """The prefill leg on the first prefill backend that answers 200, retried as `retry` says; each
         attempt's reservation (`load_of` its backend) goes into `held`. Raises GatewayError."""
         path = request.kind.path
-        with self.retry_policy.attempts() as tries:
+        with self.retry_policy.attempts(request_id, "prefill") as tries:
             for i, backend in enumerate(order):
                 if i > 0:
                     self.metrics.retries.labels(request.model).inc()
@@ -92,7 +92,6 @@ class PrefillRunner:
                     # Its reservation stays until the request ends, as in `serve` (gateway/proxy.py): a
                     # backend that fails fast must not look idle to the next request's ranking.
                     tries.failed(backend, failure)
-                    log_failure(request_id, "prefill", backend, failure)
                     if failure.retryable and tries.should_retry(failure, i + 1, len(order)):
                         continue
                     break
@@ -109,11 +108,10 @@ class PrefillRunner:
         try:
             raw = await self.upstream.read(leg)
         except LegFailed as failure:
-            log_failure(request_id, "", leg.backend, failure)
-            self.retry_policy.note(leg.backend, failure)
+            self.retry_policy.note(leg.backend, failure, request_id)
             raise UpstreamFailed("The prefill leg broke.") from None
         if leg.response.status != 200:
-            self.retry_policy.note(leg.backend, LegFailed("status", False, leg.response.status))
+            self.retry_policy.note(leg.backend, LegFailed("status", False, leg.response.status), request_id)
             raise UpstreamFailed("The prefill leg failed.")
         return Prefilled(leg.backend, _kv_params(raw))
 

@@ -130,6 +130,7 @@ class Turn:
         self.mode = "aggregated"
         self.note = ""
         self.timing: SampledStream | None = None  # a sampled stream, timed chunk by chunk
+        self._id = ""  # `request_id`
 
     async def on(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request")
@@ -235,7 +236,7 @@ class Turn:
             done = await self.picker.prefill.run(
                 request,
                 decision.prefill,
-                self._request_id(),
+                self.request_id(),
                 lambda backend: decision.leg_load(backend, "prefill"),
                 self.reservations,
             )
@@ -270,9 +271,12 @@ class Turn:
         self.routed = True
         return protocol.routed_headers(protocol.destination_mutation(endpoints, None), endpoints)
 
-    def _request_id(self) -> str:
-        rid = self.headers.get("x-request-id")
-        return rid.decode("latin-1") if rid else os.urandom(16).hex()
+    def request_id(self) -> str:
+        """The request's id (the client's X-Request-Id, else a new one), the same for its every leg."""
+        if not self._id:
+            rid = self.headers.get("x-request-id")
+            self._id = rid.decode("latin-1") if rid else os.urandom(16).hex()
+        return self._id
 
     def _reject(self, error: GatewayError) -> pb.ProcessingResponse:
         model = self.decision.request.model if self.decision else "_invalid"
@@ -366,7 +370,8 @@ class Turn:
     def _verdict(self, backend: BackendState, status: int) -> None:
         """Outlier detection as `serve` feeds it: the status seen as `serve`'s Upstream would see it,
         judged by the same rules (gateway/retry.py `blame`); no other backend served this request."""
-        with self.picker.retry_policy.attempts() as tries:
+        leg = "decode" if self.prefilled is not None else "aggregated"
+        with self.picker.retry_policy.attempts(self.request_id(), leg) as tries:
             if status in self.picker.failing_statuses:
                 tries.failed(backend, LegFailed("status", True, status))
             else:

@@ -66,23 +66,23 @@ def policy(n: int = 3, **retry: Any) -> tuple[RetryPolicy, Registry, GatewayMetr
 )
 def test_retry_on(retry_on, failure, retried):
     retry, _, _ = policy(retry_on=retry_on)
-    with retry.attempts() as tries:
+    with retry.attempts("r1", "aggregated") as tries:
         assert (failure.retryable and tries.should_retry(failure, 1, 3)) is retried
 
 
 def test_retriable_status_codes_need_their_condition():
     retry, _, _ = policy(retry_on=["5xx"], retriable_status_codes=[429])
-    with retry.attempts() as tries:
+    with retry.attempts("r1", "aggregated") as tries:
         assert not tries.should_retry(status(429), 1, 3)
 
 
 def test_num_retries_and_the_plan_bound_the_tries():
     retry, _, _ = policy(num_retries=1)
-    with retry.attempts() as tries:
+    with retry.attempts("r1", "aggregated") as tries:
         assert tries.should_retry(CONNECT, 1, 3)
         assert not tries.should_retry(CONNECT, 2, 3)
     retry, _, _ = policy(num_retries=5)
-    with retry.attempts() as tries:
+    with retry.attempts("r1", "aggregated") as tries:
         assert not tries.should_retry(CONNECT, 2, 2)  # no backend left
 
 
@@ -120,11 +120,11 @@ def test_budget_is_a_share_of_active_requests_with_a_floor():
 
 def test_exhausted_budget_stops_retries_and_is_counted():
     retry, _, metrics = policy(budget_percent=0, min_retry_concurrency=1)
-    with retry.attempts() as first, retry.attempts() as second:
+    with retry.attempts("r1", "aggregated") as first, retry.attempts("r1", "aggregated") as second:
         assert first.should_retry(RESET, 1, 3)
         assert not second.should_retry(RESET, 1, 3)
     assert metrics.retry_budget_exhausted._value.get() == 1
-    with retry.attempts() as third:  # the tokens went back when the attempts ended
+    with retry.attempts("r1", "aggregated") as third:  # the tokens went back when the attempts ended
         assert third.should_retry(RESET, 1, 3)
     assert retry.budget.active == 0
 
@@ -133,7 +133,7 @@ def test_a_refused_connection_is_retried_outside_the_budget():
     """It cost no backend any work: a dead backend's traffic must not spend the budget meant for redone
     prefills (a killed backend's ~20 requests in its first second overran it in the soak)."""
     retry, _, metrics = policy(budget_percent=0, min_retry_concurrency=0)
-    with retry.attempts() as first, retry.attempts() as second:
+    with retry.attempts("r1", "aggregated") as first, retry.attempts("r1", "aggregated") as second:
         assert first.should_retry(CONNECT, 1, 3) and second.should_retry(CONNECT, 1, 3)
         assert not first.should_retry(CONNECT, 3, 3)  # num_retries and the plan still bound it
         assert not second.should_retry(RESET, 1, 3)  # work may have been done: the budget applies
@@ -144,13 +144,13 @@ def test_a_refused_connection_is_retried_outside_the_budget():
 def test_a_retry_token_is_given_back_by_the_next_outcome_and_on_exit():
     retry, registry, _ = policy()
     b0, b1 = registry.backends["b0"], registry.backends["b1"]
-    with retry.attempts() as tries:
+    with retry.attempts("r1", "aggregated") as tries:
         tries.failed(b0, RESET)
         assert tries.should_retry(RESET, 1, 3)
         assert retry.budget.active == 1
         tries.succeeded(b1, 200)
         assert retry.budget.active == 0
-    with pytest.raises(RuntimeError), retry.attempts() as tries:
+    with pytest.raises(RuntimeError), retry.attempts("r1", "aggregated") as tries:
         assert tries.should_retry(RESET, 1, 3)
         raise RuntimeError("the client left")
     assert retry.budget.active == 0
@@ -162,7 +162,7 @@ def test_a_retry_token_is_given_back_by_the_next_outcome_and_on_exit():
 def test_backpressure_makes_the_backend_cool_down(failure, busy):
     retry, registry, _ = policy()
     backend = registry.backends["b0"]
-    with retry.attempts() as tries:
+    with retry.attempts("r1", "aggregated") as tries:
         tries.failed(backend, failure)
     assert (backend.busy_until > 0) is busy
     assert not backend.outlier.consecutive_5xx  # never counted as ill health
@@ -175,7 +175,7 @@ def ejected(registry: Registry) -> list[str]:
 def test_a_5xx_counts_once_a_peer_served_the_same_request():
     retry, registry, _ = policy()
     b0, b1 = registry.backends["b0"], registry.backends["b1"]
-    with retry.attempts() as tries:
+    with retry.attempts("r1", "aggregated") as tries:
         tries.failed(b0, status(500))
         assert ejected(registry) == []  # held: not yet known whose fault it is
         tries.succeeded(b1, 200)
@@ -184,7 +184,7 @@ def test_a_5xx_counts_once_a_peer_served_the_same_request():
 
 def test_a_5xx_that_follows_the_request_everywhere_counts_nowhere():
     retry, registry, _ = policy()
-    with retry.attempts() as tries:
+    with retry.attempts("r1", "aggregated") as tries:
         for backend in registry.backends.values():
             tries.failed(backend, status(500))
     assert ejected(registry) == []
@@ -193,7 +193,7 @@ def test_a_5xx_that_follows_the_request_everywhere_counts_nowhere():
 def test_a_5xx_answered_with_a_4xx_elsewhere_is_not_confirmed():
     retry, registry, _ = policy()
     b0, b1 = registry.backends["b0"], registry.backends["b1"]
-    with retry.attempts() as tries:
+    with retry.attempts("r1", "aggregated") as tries:
         tries.failed(b0, TIMEOUT)
         tries.succeeded(b1, 400)
     assert ejected(registry) == []
@@ -202,7 +202,7 @@ def test_a_5xx_answered_with_a_4xx_elsewhere_is_not_confirmed():
 def test_connection_failures_count_at_once_backpressure_never():
     retry, registry, _ = policy(n=4)
     b0, b1 = registry.backends["b0"], registry.backends["b1"]
-    with retry.attempts() as tries:
+    with retry.attempts("r1", "aggregated") as tries:
         tries.failed(b1, status(503))
         tries.failed(b1, status(429))
         tries.failed(b0, CONNECT)
@@ -211,8 +211,8 @@ def test_connection_failures_count_at_once_backpressure_never():
 
 def test_mid_stream_breaks_count_idle_timeouts_do_not():
     retry, registry, _ = policy(n=4)
-    retry.note(registry.backends["b0"], LegFailed("timeout", retryable=False))
-    retry.note(registry.backends["b1"], LegFailed("payload", retryable=False))
+    retry.note(registry.backends["b0"], LegFailed("timeout", retryable=False), "r1")
+    retry.note(registry.backends["b1"], LegFailed("payload", retryable=False), "r1")
     assert ejected(registry) == ["b1"]
 
 
