@@ -87,7 +87,9 @@ def gateway_config(
         "routing": {"policy": "round_robin", "disaggregation": "never", **routing},
         # Fast detection so the failover test does not wait long; probes are cheap on loopback.
         "health": {"interval_s": 0.5, "timeout_s": 2.0, "failure_threshold": 1},
-        "timeouts": {"connect_s": 2.0, "ttfb_s": 120.0, "idle_s": 60.0},
+        # connect_s: the gateway's log of a failed CI run named the NIXL decode leg's failure as
+        # `connect (ConnectionTimeoutError)` at 2 s, with two busy-polling vLLM engines on the 2 cores.
+        "timeouts": {"connect_s": 10.0, "ttfb_s": 120.0, "idle_s": 60.0},
     }
 
 
