@@ -4,7 +4,8 @@ For a prompt of `--tokens` tokens (block size 16) over `--backends` backends of 
 and MI308X, DeepSeek-R1, every backend may prefill and decode), with backend i holding the first
 (i mod 8 + 1)/8 of the prompt in a `kvindex.MemoryIndex` and some reserved work on each:
 - `lookup`: the awaited `index.match` over all backends (as `gateway/affinity.py` calls it);
-- `candidates`: `ModelPool.candidates` (the registry's columns through the load formula);
+- `candidates`: `ModelPool.candidates` (the registry's columns through the load formula; a quarter of
+  the backends have a split decode leg due);
 - `plan`: the policy's `plan` (`cost` prices every aggregated and split plan: 64 backends, 4,032 pairs);
 - `decision`: the three together, what the gateway adds per request after hashing the prompt (hashing
   is measured by `hetgate bench index`).
@@ -31,7 +32,7 @@ from gateway.registry import Registry
 from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from kvindex.memory import MemoryIndex
 from scoring.catalog import load_catalog
-from scoring.load import leg_loads
+from scoring.load import leg_load, leg_loads
 from scoring.router import build_router
 from scoring.types import Mode, RequestFeatures
 
@@ -75,6 +76,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     for i, backend in enumerate(pool.backends):  # some work reserved on every backend
         for _ in range(i % 4):
             registry.reserve(backend, leg_loads(Mode.AGGREGATED, 8000, 256, 0)[0])
+        if i % 4 == 1:  # and split decode legs due on a quarter of them (priced by `cost`)
+            registry.reserve(backend, leg_load("decode", 8000, 256, 0, kv_due_s=registry.now()))
     request = RequestFeatures(MODEL, args.tokens, 256, False, {BLOCK: hashes})
     routers = {
         "cost": build_router("cost", "auto", model=load_catalog().model(MODEL)),

@@ -134,12 +134,13 @@ class Decision:
     def decode(self) -> list[BackendState]:
         return [self.pool.backends[i] for i in self.plan.decode]
 
-    def leg_load(self, backend: BackendState, leg: str) -> LegLoad:
-        """What a leg of this request (aggregated | prefill | decode) puts on `backend` (scoring/load.py)."""
+    def leg_load(self, backend: BackendState, leg: str, kv_due_s: float = math.nan) -> LegLoad:
+        """What a leg of this request (aggregated | prefill | decode; a planned decode leg's KV due at
+        `kv_due_s`) puts on `backend` (scoring/load.py)."""
         row = self.pool.backends.index(backend)
         cached = 0 if self.cached is None or not self.features.prompt_tokens else int(self.cached[row])
         max_tokens = self.request.max_tokens or 1
-        return leg_load(leg, self.features.prompt_tokens, max_tokens, cached)
+        return leg_load(leg, self.features.prompt_tokens, max_tokens, cached, kv_due_s)
 
     def prediction_for(self, backends: Sequence[BackendState]) -> Prediction | None:
         """The plan's prediction if `backends` (prefiller first) are the ones it was made for, else None:

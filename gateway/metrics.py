@@ -106,6 +106,14 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.pending_decodes = Gauge(
+            "hetgate:backend_pending_decode_legs",
+            "Split decode legs planned on this backend whose prefill leg has not ended yet (a prefill "
+            "planned here before their KV is due holds them up: the cost policy prices that)",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.cluster_in_flight = Gauge(
             "hetgate:backend_in_flight_cluster",
             "Requests in flight from every gateway replica sharing the Redis store (this one's without it)",
@@ -265,7 +273,7 @@ class GatewayMetrics:
         mode the files keep a removed series, so it is zeroed first."""
         if self._backends.pop(backend_id, None) is None:
             return
-        for gauge in (self.healthy, self.in_flight, self.cluster_in_flight):
+        for gauge in (self.healthy, self.in_flight, self.pending_decodes, self.cluster_in_flight):
             gauge.labels(backend_id).set(0)
             gauge.remove(backend_id)
         labels = self._info_labels.pop(backend_id)
@@ -277,6 +285,7 @@ class GatewayMetrics:
         for backend_id, (backend, available) in self._backends.items():
             self.healthy.labels(backend_id).set(1 if available() else 0)
             self.in_flight.labels(backend_id).set(backend.in_flight)
+            self.pending_decodes.labels(backend_id).set(len(backend.reserved.kv_due))
             self.cluster_in_flight.labels(backend_id).set(backend.in_flight + backend.remote_in_flight)
 
     async def refresh_every(self, interval_s: float) -> None:

@@ -25,6 +25,7 @@ Rules (what nginx and Envoy promise: retry only before the first byte, in-band e
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from gateway.retry import RetryPolicy
 from gateway.schemas import ParsedRequest
 from gateway.sse import EventCutter, EventTooLarge, UsageRewriter
 from gateway.upstream import Leg, LegFailed, Upstream
-from scoring.load import leg_load
+from scoring.load import kv_due, leg_load
 from scoring.types import LegLoad, Prediction
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -98,11 +99,11 @@ class Exchange:
         for reservation in self.reservations:
             reservation.release()
 
-    def leg_load(self, backend: BackendState, leg: str) -> LegLoad:
-        """What a leg of this request puts on `backend` (leg: aggregated | prefill | decode), by the one
-        rule the simulator uses too (scoring/load.py)."""
+    def leg_load(self, backend: BackendState, leg: str, kv_due_s: float = math.nan) -> LegLoad:
+        """What a leg of this request puts on `backend` (leg: aggregated | prefill | decode; a planned
+        decode leg's KV due at `kv_due_s`), by the one rule the simulator uses too (scoring/load.py)."""
         cached = self.cached(backend) if self.cached is not None and self.prompt_tokens else 0
-        return leg_load(leg, self.prompt_tokens, self.request.max_tokens or 1, cached)
+        return leg_load(leg, self.prompt_tokens, self.request.max_tokens or 1, cached, kv_due_s)
 
 
 @dataclass(slots=True)
@@ -143,14 +144,17 @@ class Proxy:
         send: Send,
     ) -> None:
         model = ex.request.model
-        # The decode backend is spoken for from the moment the split is planned, not after the prefill.
-        planned = self._reserve(ex, decode[0], "decode")
+        # The decode backend is spoken for from the moment the split is planned, not after the prefill,
+        # with its KV due when the plan expects the prefill to end.
+        due = kv_due(ex.predicted([prefill[0], decode[0]]), self.registry.now())
+        planned = self._reserve(ex, decode[0], "decode", due)
         try:
             done = await self._prefill(ex, prefill)
         except GatewayError:
             planned.release()
             await self._fall_back(ex, fallback, send, "prefill_failed")
             return
+        planned.prefill_done()  # its KV is computed: the decode leg goes out now
         if done.kv_transfer_params is None and done.backend.config.kv_connector == "nixl":
             # The decode backend would recompute the whole prompt: say so instead of calling it P/D.
             planned.release()
@@ -215,8 +219,10 @@ class Proxy:
 
     # -- shared machinery -----------------------------------------------------------------------------------
 
-    def _reserve(self, ex: Exchange, backend: BackendState, leg: str) -> Reservation:
-        reservation = self.registry.reserve(backend, ex.leg_load(backend, leg))
+    def _reserve(
+        self, ex: Exchange, backend: BackendState, leg: str, kv_due_s: float = math.nan
+    ) -> Reservation:
+        reservation = self.registry.reserve(backend, ex.leg_load(backend, leg, kv_due_s))
         ex.reservations.append(reservation)
         return reservation
 

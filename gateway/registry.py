@@ -24,7 +24,7 @@ import numpy as np
 from gateway.config import BackendConfig, GatewayConfig, Health, ModelConfig
 from gateway.outlier import OutlierPool, OutlierState, Verdict
 from gateway.stats import VllmLoad
-from scoring.load import Reserved, load_columns, request_load
+from scoring.load import Reserved, kv_due_columns, load_columns, request_load
 from scoring.types import BackendSpec, Candidates, LegLoad, Role
 
 
@@ -164,6 +164,9 @@ class ModelPool:
         ).reshape(n, 8).T.copy()  # fmt: skip
         # The one load formula, as the simulator uses it; without `work`, its request counts alone.
         columns = load_columns(*rows[:7]) if work else _counts_only(rows.T)
+        if work:
+            rows_due, due_s = kv_due_columns([b.reserved.kv_due for b in self.backends], now)
+            columns.update(kv_due_rows=rows_due, kv_due_s=due_s)
         return Candidates(
             specs=self.specs,
             healthy=self.routable(now),
@@ -233,6 +236,10 @@ class Registry:
         self, pool: ModelPool, cached_tokens: np.ndarray | None = None, work: bool = True
     ) -> Candidates:
         return pool.candidates(self._clock(), cached_tokens, work)
+
+    def now(self) -> float:
+        """The registry's clock (what `LegLoad.kv_due_s` is read against)."""
+        return self._clock()
 
     def reserve(self, backend: BackendState, load: LegLoad) -> Reservation:
         """Hold `load` on `backend` until the reservation is released (see Reservation)."""

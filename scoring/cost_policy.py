@@ -19,8 +19,9 @@ compute-rich backend is not spent on work a compute-poor one does as well (decod
 compute-poor backend is cheap; prefill costs about the same FLOPs anywhere), plus the **delay it imposes
 on the requests already running**: a prefill on b stalls each of b's running decodes for its compute
 (chunked prefill puts its chunks into their steps), and one more sequence on d lengthens each of d's
-other sequences' steps for about this request's output length, and a prefill delays the prompts queued
-in the step it joins (vLLM batches waiting prompts in one step; they finish together). Without that
+other sequences' steps for about this request's output length, a prefill delays the prompts queued
+in the step it joins (vLLM batches waiting prompts in one step; they finish together), and it holds up
+the split decode legs headed to b whose KV is due before it ends (`_held_up`). Without that
 term the policy packed decodes onto the backends with the cheapest seconds until their TPOT broke (AMD
 seed cluster, shared system prompts: 0.25x round robin's SLO capacity), and past saturation sent
 16k-token prompts to the compute-poor decoders, whose running decodes then missed their TPOT.
@@ -233,6 +234,8 @@ class CostRanker(SimpleRanker):
         kv_ok = context + prompt + out <= cl.kv_limit
         stall = k * s.stall
         delay = compute * _cobatched(c.prefill_tokens, c.prefill_len, new, self.chunk_tokens)
+        if c.kv_due_rows.size:
+            delay = delay + _held_up(c.kv_due_rows, c.kv_due_s, wait + compute, compute)
         price = cl.price
         return _Priced(
             wait,
@@ -668,6 +671,15 @@ def _cobatched(queued: np.ndarray, prompt_len: np.ndarray, new: np.ndarray, chun
     new = np.maximum(new, 1.0)
     share = np.minimum(new, chunk - rest) / new
     return np.asarray(rest / np.maximum(prompt_len, 1.0) * share)
+
+
+def _held_up(rows: np.ndarray, due_s: np.ndarray, finish: np.ndarray, compute: np.ndarray) -> np.ndarray:
+    """Per backend: how much later the split decode legs headed there start if a prefill that ends at
+    `finish` (its own `compute` seconds long) runs there. A leg whose KV is due while that prefill is
+    still queued or running waits for its chunks (vLLM serves running requests before admitting
+    waiting ones), at most the prefill's compute; one due after it ends is not held up."""
+    held = np.clip(finish[rows] - due_s, 0.0, compute[rows])
+    return np.bincount(rows, weights=held, minlength=len(finish))
 
 
 def _best(cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float) -> tuple[int, int]:

@@ -7,6 +7,7 @@ gateway and the discrete-event simulator build the same `Candidates` and call th
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -97,6 +98,10 @@ class Candidates:
     prefill_len: np.ndarray
     decode_seqs: np.ndarray
     context_tokens: np.ndarray
+    # Split decode legs headed here whose KV has not come: their rows and when each is due, in seconds
+    # from now (negative: overdue). A prefill planned on such a row before one is due holds it up.
+    kv_due_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
+    kv_due_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -274,3 +279,11 @@ class LegLoad:
     prefill_tokens: int  # prompt tokens this backend must compute (uncached; 0 for the decode leg of a split)
     decode_tokens: int  # output tokens it will generate (1 for a prefill leg)
     context_tokens: int  # prompt tokens whose KV it will hold while decoding
+    # A split's decode leg: when its KV is due here (the prefill leg's predicted end, on the clock the
+    # registry or simulator builds `Candidates` with); NaN for every other leg. See `Candidates.kv_due_s`.
+    kv_due_s: float = math.nan
+
+    @property
+    def awaits_kv(self) -> bool:
+        """A split's decode leg whose KV is still to come (see `kv_due_s`)."""
+        return not math.isnan(self.kv_due_s)

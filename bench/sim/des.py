@@ -37,7 +37,7 @@ from bench.workloads import Prompt, WorkloadRequest, block_token_ids
 from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from scoring.catalog import Accelerator, ModelSpec
 from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time
-from scoring.load import Reserved, leg_loads, load_columns
+from scoring.load import Reserved, kv_due, kv_due_columns, leg_loads, load_columns
 from scoring.outcome import Measured, outcomes_of
 from scoring.types import (
     BackendSpec,
@@ -305,7 +305,7 @@ class Replay:
     def _arrive(self, i: int, t: float) -> None:
         w = self.workload[i]
         hashes = self._hashes(i, w)
-        candidates = self._candidates(hashes)
+        candidates = self._candidates(hashes, t)
         features = RequestFeatures(self.sim.specs[0].model, w.prompt_len, w.max_tokens, False, hashes)
         plan = self.sim.router.plan(features, candidates)
         record = self.records[i]
@@ -320,7 +320,8 @@ class Replay:
             record.prefill_backend = self.sim.specs[prefiller].id
             record.backend = self.sim.specs[decoder].id
             cached = int(candidates.cached_tokens[prefiller])
-            first, second = leg_loads(Mode.PD, w.prompt_len, w.max_tokens, cached)
+            due = kv_due(plan.predicted, t)
+            first, second = leg_loads(Mode.PD, w.prompt_len, w.max_tokens, cached, due)
             assert second is not None
             self._reserve(decoder, w.request_id, second)  # taken at plan time, like the gateway
             self._reserve(prefiller, w.request_id, first)
@@ -349,7 +350,7 @@ class Replay:
 
     def _prefill_done(self, engine: int, request_id: str) -> None:
         leg = self.leg_load.get((engine, request_id))
-        if leg is not None and leg.prefill_tokens:
+        if leg is not None and (leg.prefill_tokens or leg.awaits_kv):
             self.reserved[engine].prefill_done(leg)
             self.leg_load[(engine, request_id)] = LegLoad(0, leg.decode_tokens, leg.context_tokens)
             self.dirty.add(engine)
@@ -367,7 +368,7 @@ class Replay:
     def _bs(self, engine: int) -> int:
         return self.sim.specs[engine].block_size
 
-    def _candidates(self, hashes: dict[int, list[int]]) -> Candidates:
+    def _candidates(self, hashes: dict[int, list[int]], now: float) -> Candidates:
         """The registry snapshot the gateway would route on: the same load formula over each engine's
         accounting and its /metrics view, with the per-engine reads kept to engines that changed."""
         engines, stats = self.sim.engines, self.stats
@@ -382,6 +383,7 @@ class Replay:
                 count=len(engines),
             )
         base = self.base
+        due_rows, due_s = kv_due_columns([r.kv_due for r in self.reserved], now)
         return Candidates(
             specs=base.specs,
             healthy=base.healthy.copy(),
@@ -391,6 +393,8 @@ class Replay:
             kv_usage=stats[7].copy(),
             cached_tokens=cached,
             **load_columns(*stats[:7]),
+            kv_due_rows=due_rows,
+            kv_due_s=due_s,
         )
 
     def _stats_row(self, k: int) -> tuple[float, ...]:
@@ -517,6 +521,7 @@ class Replay:
         request = EngineRequest(
             w.request_id, w.prompt_len, w.max_tokens, hashes, remote_kv_tokens=remote, kv_transfer_s=transfer
         )
+        self._prefill_done(decoder, w.request_id)  # its KV is computed: no longer due, it queues there now
         self._submit(decoder, i, request, t)  # reserved on the decoder when planned
 
     def _finish(self, engine: int, i: int, rid: str, t: float) -> None:

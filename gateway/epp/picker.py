@@ -42,6 +42,7 @@ from gateway.registry import BackendState, ModelPool, Registry, Reservation
 from gateway.retry import RetryPolicy
 from gateway.schemas import Kind, parse_body
 from gateway.upstream import LegFailed
+from scoring.load import kv_due
 from scoring.types import Mode
 
 log = logging.getLogger("hetgate.epp")
@@ -230,8 +231,12 @@ class Turn:
         if decision.plan.mode is not Mode.PD:
             self._hold(decision.aggregated[0], "aggregated")
             return decision.aggregated, _dumps(body) if renamed else None
-        # The decode pod is spoken for from the moment the split is planned, not after the prefill.
-        self._hold(decision.decode[0], "decode")
+        # The decode pod is spoken for from the moment the split is planned, not after the prefill, with
+        # its KV due when the plan expects the prefill to end.
+        due = kv_due(
+            decision.prediction_for([decision.prefill[0], decision.decode[0]]), self.picker.registry.now()
+        )
+        self._hold(decision.decode[0], "decode", due)
         try:
             done = await self.picker.prefill.run(
                 request,
@@ -242,6 +247,8 @@ class Turn:
             )
         except GatewayError:
             return self._fall_back(decision, "prefill_failed"), _dumps(body) if renamed else None
+        assert self.holding is not None
+        self.holding.prefill_done()  # its KV is computed: Envoy sends the decode leg now
         if done.kv_transfer_params is None and done.backend.config.kv_connector == "nixl":
             # The decode pod would recompute the whole prompt: say so instead of calling it P/D (as serve).
             return self._fall_back(decision, "no_kv_params"), _dumps(body) if renamed else None
@@ -283,11 +290,11 @@ class Turn:
         self.picker.metrics.requests.labels(model, "none", str(error.status)).inc()
         return protocol.immediate(error)
 
-    def _hold(self, backend: BackendState, leg: str) -> None:
+    def _hold(self, backend: BackendState, leg: str, kv_due_s: float = math.nan) -> None:
         """Reserve `backend` for the leg Envoy carries (aggregated | decode), instead of any earlier one."""
         assert self.decision is not None
         self._release_hold()
-        self.holding = self.picker.registry.reserve(backend, self.decision.leg_load(backend, leg))
+        self.holding = self.picker.registry.reserve(backend, self.decision.leg_load(backend, leg, kv_due_s))
         self.reservations.append(self.holding)
 
     def _release_hold(self) -> None:

@@ -397,11 +397,15 @@ def test_a_failed_prefill_attempt_counts_on_its_backend_until_the_request_ends(s
             failed = metric(picker.metrics_url, "hetgate:upstream_errors_total", backend="p0")
             if failed and in_flight("d") == 1:
                 seen = {name: in_flight(name) for name in ("p0", "p1", "d")}
+                # The decode leg went out with p1's KV: no longer pending on d (its reply comes later).
+                seen["pending"] = metric(
+                    picker.metrics_url, "hetgate:backend_pending_decode_legs", backend="d"
+                )
             assert time.monotonic() < deadline
             time.sleep(0.02)
         request.join()
         assert replies[0].headers["x-hetgate-route"] == "mode=pd; prefill=p1; decode=d"
-    assert seen == {"p0": 1, "p1": 0, "d": 1}  # p1's leg is over; p0's failed try still counts
+    assert seen == {"p0": 1, "p1": 0, "d": 1, "pending": 0}  # p1's leg is over; p0's failed try counts
     deadline = time.monotonic() + 10
     while metric(picker.metrics_url, "hetgate:backend_in_flight") > 0:
         assert time.monotonic() < deadline, "a reservation was never released"

@@ -15,13 +15,17 @@ from bench.sim.simple_engine import SimpleEngineConfig
 from tests.integration.conftest import MODEL, backend, chat_body, config, gateway, metric, sim  # noqa: F401
 
 
-def in_flight(gw) -> dict[str, float]:
+def in_flight(gw, family: str = "hetgate:backend_in_flight") -> dict[str, float]:
+    """A per-backend gauge (`backend` label first) by backend id."""
     values = {}
     for line in httpx.get(f"{gw.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith("hetgate:backend_in_flight{"):
+        if line.startswith(family + "{"):
             series, _, value = line.rpartition(" ")
             values[series.split('backend="', 1)[1].split('"', 1)[0]] = float(value)
     return values
+
+
+PENDING = "hetgate:backend_pending_decode_legs"
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
@@ -109,10 +113,28 @@ def test_disconnect_during_pd_prefill_releases_both_legs(sim, gateway):  # noqa:
     prefill.set_faults({"first_byte_delay_s": 1.5})
     waiter = threading.Thread(target=abandon, args=(gw, chat_body(stream=True), 1.0))
     waiter.start()
-    # Planned P/D: the prefill backend and the decode backend are both reserved during the prefill.
+    # Planned P/D: the prefill backend and the decode backend are both reserved during the prefill, and
+    # the decode leg is pending there (its KV is not computed yet).
     assert wait_until(lambda: in_flight(gw)["p"] == 1 and in_flight(gw)["d"] + in_flight(gw)["d2"] == 1, 5)
+    pending = in_flight(gw, PENDING)
+    assert pending["p"] == 0 and pending["d"] + pending["d2"] == 1, pending
     waiter.join()
     in_parallel(6, lambda: abandon(gw, chat_body(stream=True), 0.3))
+    assert wait_until(lambda: all_zero(gw)), in_flight(gw)
+
+
+def test_a_decode_leg_stops_pending_when_its_prefill_leg_ends(sim, gateway):  # noqa: F811
+    """From the prefill leg's reply on, the decode leg is on its way to the decoder (it queues there in
+    order): it no longer counts as pending, while the decoder takes its time to the first byte."""
+    gw, _, decode, spare = pd_gateway(sim, gateway)
+    for backend_sim in (decode, spare):
+        backend_sim.set_faults({"first_byte_delay_s": 1.5})
+    waiter = threading.Thread(target=abandon, args=(gw, chat_body(stream=True), 1.0))
+    waiter.start()
+    assert wait_until(lambda: in_flight(gw)["p"] == 0 and in_flight(gw)["d"] + in_flight(gw)["d2"] == 1, 5)
+    pending = in_flight(gw, PENDING)
+    waiter.join()
+    assert set(pending.values()) == {0.0}, pending
     assert wait_until(lambda: all_zero(gw)), in_flight(gw)
 
 
@@ -137,7 +159,10 @@ def test_a_finished_prefill_leg_gives_its_backend_back_during_the_decode(sim, ga
         flights = in_flight(gw)
         assert flights["p"] == 0, flights
         assert flights["d"] + flights["d2"] == 1, flights
+        pending = in_flight(gw, PENDING)  # the decode leg went out with the KV: no longer pending
+        assert set(pending.values()) == {0.0}, pending
     assert wait_until(lambda: all_zero(gw)), in_flight(gw)
+    assert set(in_flight(gw, PENDING).values()) == {0.0}
 
 
 def test_retries_fallbacks_and_errors_leave_nothing_in_flight(sim, gateway):  # noqa: F811

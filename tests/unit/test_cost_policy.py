@@ -567,3 +567,32 @@ def test_a_split_prices_the_decoders_steps_as_its_measured_tpot_corrects_them(de
     first_steps = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
     uncorrected = ranker._price(long_prompt(), c, ranker._cluster(c.specs)).first_step[1]
     assert first_steps == pytest.approx(2.0 * uncorrected, rel=0.03)
+
+
+def test_a_prefill_that_would_hold_up_a_split_decode_leg_pays_for_it(llama):
+    """A split's decode leg planned on h100-0 comes when its prefill leg ends; a prefill put there
+    before that runs first (vLLM serves running prompts before admitting waiting ones), so the leg waits
+    for what is left of it: charged as delay imposed, whole when the leg is due before the prefill
+    starts, in part when it is due while it runs, not at all when it is due after it ends."""
+    specs = (
+        BackendSpec("h100-0", "m", "h100-sxm", 4, BOTH),
+        BackendSpec("h100-1", "m", "h100-sxm", 4, BOTH),
+    )
+    request = RequestFeatures("m", prompt_tokens=8000, max_tokens=64)
+    ranker = CostRanker(llama)
+
+    def priced_with_leg_due(due_s: float):
+        c = Candidates.build(specs, (BackendStats(), BackendStats()), np.zeros(2, dtype=np.int64))
+        c.kv_due_rows, c.kv_due_s = np.array([0]), np.array([due_s])
+        return c, ranker._price(request, c, ranker._cluster(c.specs))
+
+    c, p = priced_with_leg_due(0.0)  # due as the prefill starts (both backends are idle)
+    assert p.compute[0] > 0.05
+    assert p.delay.tolist() == pytest.approx([p.compute[0], 0.0])
+    for split in ("never", "auto"):
+        for _ in range(4):  # whatever the rotation
+            assert build_router("cost", model=llama, disaggregation=split).plan(request, c).aggregated[0] == 1
+    _, p = priced_with_leg_due(float(p.ttft[0] - 0.25 * p.compute[0]))  # due with a quarter left
+    assert p.delay[0] == pytest.approx(0.25 * p.compute[0])
+    _, p = priced_with_leg_due(float(p.ttft[0]) + 0.01)
+    assert p.delay.tolist() == [0.0, 0.0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 from bench import workloads as w
 from bench.sim.des import PromptHasher, Simulation, make_backends
@@ -179,6 +180,32 @@ def test_candidates_match_a_registry_build_of_the_live_stats() -> None:
     replay = sim.replay(w.with_poisson_arrivals(w.fixed_lengths(60, 2000, 16), rate=40.0))
     replay.execute()
     assert len(checked) == 60 and max(checked) > 3
+
+
+def test_a_split_decode_leg_is_due_on_its_decoder_until_its_prefill_leg_ends() -> None:
+    """Each plan sees every split planned before it whose prefill leg has not ended, on its decoder, due
+    when it was planned (an unpriced plan predicts no prefill time), in seconds from now."""
+    checked = []
+
+    class Checker(Spy):
+        def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
+            records = replay.records
+            now = records[len(self.seen)].arrival_s
+            pending = [
+                (sim.specs.index(next(s for s in sim.specs if s.id == r.backend)), r.arrival_s - now)
+                for r in records[: len(self.seen)]
+                if r.mode is Mode.PD and not r.prefill_done_s <= now
+            ]
+            got = sorted(zip(candidates.kv_due_rows.tolist(), candidates.kv_due_s.tolist(), strict=True))
+            assert got == [pytest.approx(p) for p in sorted(pending)]
+            checked.append(len(pending))
+            return super().plan(request, candidates)
+
+    prefill, decode = frozenset({Role.PREFILL}), frozenset({Role.DECODE})
+    sim = Simulation(MODEL, backends(prefill, decode, decode), Checker(build_router("least_load", "always")))
+    replay = sim.replay(w.with_poisson_arrivals(w.fixed_lengths(60, 4000, 16), rate=30.0))
+    replay.execute()
+    assert len(checked) == 60 and max(checked) >= 3
 
 
 def test_pd_removes_prefill_interference_from_decode_steps() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from gateway.config import parse_config
 from gateway.outlier import Verdict
@@ -179,6 +180,29 @@ def test_reservation_adds_its_load_and_takes_it_off_once():
     second.release()
     totals = (a.in_flight, a.reserved.prefill_tokens, a.reserved.decode_seqs, a.reserved.context_tokens)
     assert totals == (0, 0, 0, 0)
+
+
+def test_a_split_decode_leg_is_due_until_its_prefill_ends():
+    """A planned decode leg's KV is due at the time its plan gave; `Candidates` carries it in seconds
+    from now, until the leg's prefill (done on the prefiller) is over or the leg ends first."""
+    clock = Clock()
+    reg, _ = registry(clock)
+    b = reg.backends["b1"]
+    first = reg.reserve(b, LegLoad(0, 64, 2000, kv_due_s=clock.now + 0.5))
+    second = reg.reserve(b, LegLoad(0, 64, 1000, kv_due_s=clock.now + 0.2))
+    reg.reserve(b, LegLoad(0, 64, 1000))  # aggregated, or a decode leg retried elsewhere: nothing due
+    clock.now += 0.1
+    c = reg.candidates(reg.pools["m"])
+    assert c.kv_due_rows.tolist() == [1, 1]
+    assert c.kv_due_s.tolist() == pytest.approx([0.4, 0.1])
+    assert b.reserved.decode_seqs == 3  # still decoding sequences there
+    first.prefill_done()
+    first.prefill_done()
+    assert reg.candidates(reg.pools["m"]).kv_due_s.tolist() == pytest.approx([0.1])
+    second.release()  # it failed before its prefill was done
+    assert reg.candidates(reg.pools["m"]).kv_due_rows.size == 0
+    first.release()
+    assert b.reserved.kv_due == []
 
 
 def cooling(reg: Registry) -> list[int]:
