@@ -304,6 +304,7 @@ async def sample_rss(pid: int, until: float) -> list[float]:
 
 GATEWAY_COUNTS = (
     "hetgate:backend_in_flight",
+    "hetgate:backend_pending_decode_legs",
     "hetgate:retries_total",
     "hetgate:retry_budget_exhausted_total",
 )
@@ -385,6 +386,7 @@ def report(figures: dict[str, Any]) -> dict[str, Any]:
         "rss_samples_mib": figures["rss_samples"],
         "fds": (fds_start, fds_end),
         "in_flight_after": figures["gateway_counts"]["hetgate:backend_in_flight"],
+        "pending_decode_legs_after": figures["gateway_counts"]["hetgate:backend_pending_decode_legs"],
         "retries": figures["gateway_counts"]["hetgate:retries_total"],
         "retry_budget_exhausted": figures["gateway_counts"]["hetgate:retry_budget_exhausted_total"],
         "gateway_tracebacks": figures["tracebacks"],
@@ -416,6 +418,7 @@ def print_report(summary: dict[str, Any], faults: list[str]) -> None:
     print(f"gateway RSS once a cycle (MiB): {summary['rss_samples_mib']}")
     print(f"gateway open fds after warm-up -> end: {fds[0]} -> {fds[1]}")
     print(f"backend in-flight once idle: {summary['in_flight_after']:g}")
+    print(f"split decode legs still due once idle: {summary['pending_decode_legs_after']:g}")
     print(f"tracebacks in the gateway log: {summary['gateway_tracebacks']}")
 
 
@@ -427,6 +430,8 @@ def violations(summary: dict[str, Any]) -> list[str]:
         problems.append(f"{summary['silent_truncations']} silent truncations")
     if summary["in_flight_after"]:
         problems.append(f"in-flight count {summary['in_flight_after']:g} once idle")
+    if summary["pending_decode_legs_after"]:
+        problems.append(f"{summary['pending_decode_legs_after']:g} split decode legs still due once idle")
     if summary["rss_growth_pct"] > 5:
         problems.append(f"RSS grew {summary['rss_growth_pct']} %")
     return problems
