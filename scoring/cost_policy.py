@@ -233,14 +233,15 @@ class CostRanker(SimpleRanker):
         first_step = 2.0 * step + queue * (1.0 - chunk_share)
         kv_ok = context + prompt + out <= cl.kv_limit
         stall = k * s.stall
+        ttft = wait + compute
         delay = compute * _cobatched(c.prefill_tokens, c.prefill_len, new, self.chunk_tokens)
         if c.kv_due_rows.size:
-            delay = delay + _held_up(c.kv_due_rows, c.kv_due_s, wait + compute, compute)
+            delay = delay + _held_up(c.kv_due_rows, c.kv_due_s, ttft, compute)
         price = cl.price
         return _Priced(
             wait,
             compute,
-            wait + compute,
+            ttft,
             price * compute,
             price * decode_cost,
             tpot * cl.tpot_factor,
