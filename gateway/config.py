@@ -170,7 +170,8 @@ class PrefixKnobs(_Strict):
 class Routing(_Strict):
     policy: Policy = "least_load"
     disaggregation: Disaggregation = Disaggregation.NEVER
-    pd_min_prompt_tokens: Annotated[int, Field(ge=0)] = 1024
+    # None: the policy's own (`Ranker.split_gate_tokens`: 1024, and 0 under `cost`, which prices the split).
+    pd_min_prompt_tokens: Annotated[int, Field(ge=0)] | None = None
     pd_fallback: Literal["aggregated", "fail"] = "aggregated"
     route_header: bool = True
     prefix: PrefixKnobs = PrefixKnobs()

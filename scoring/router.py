@@ -9,7 +9,8 @@ A plan is built in three steps, all pure and vectorised over the model's backend
    The whole order is kept: entries after the first are the fallbacks the proxy tries on failure.
 3. **Split or not.** `never` serves aggregated. `always` splits whenever a prefill backend distinct from the
    chosen decode backend is healthy. `auto` splits when the prompt tokens the decode backend does not
-   already hold reach `pd_min_prompt_tokens` (below that, shipping KV costs more than recomputing it).
+   already hold reach `pd_min_prompt_tokens` (below that, shipping KV costs more than recomputing it;
+   1,024 unless configured).
    Decode is picked first (like llm-d), so a decode backend that holds the prefix keeps it.
 
 The `cost` policy (`scoring/cost_policy.py`) replaces steps 2-3: it prices every aggregated and split
@@ -41,7 +42,9 @@ class Ranker(Protocol):
       the aggregated order is used);
     - `judges_split`: `choose` prices whole plans (aggregated on b; prefill on p, decode on d) and
       returns the plan itself; `PlanningRouter` then only hands it the split setting;
-    - `learns`: `observe` corrects the policy with measured outcomes (otherwise it does nothing).
+    - `learns`: `observe` corrects the policy with measured outcomes (otherwise it does nothing);
+    - `split_gate_tokens`: under `auto`, the prompt tokens a decode backend must lack before a split
+      is considered, when the configuration sets no `pd_min_prompt_tokens`.
     """
 
     name: str
@@ -50,6 +53,7 @@ class Ranker(Protocol):
     ranks_decode: bool
     judges_split: bool
     learns: bool
+    split_gate_tokens: int
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray: ...
 
@@ -104,6 +108,8 @@ class SimpleRanker:
     ranks_decode = False
     judges_split = False
     learns = False
+    # Below this many tokens to ship, a count-based policy's split moves more KV than it saves prefill.
+    split_gate_tokens = 1024
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -261,10 +267,12 @@ def build_ranker(policy: str, **knobs: Any) -> Ranker:
 def build_router(
     policy: str,
     disaggregation: str | Disaggregation = Disaggregation.NEVER,
-    pd_min_prompt_tokens: int = 1024,
+    pd_min_prompt_tokens: int | None = None,
     **knobs: Any,
 ) -> PlanningRouter:
-    split = SplitSettings(Disaggregation(disaggregation), pd_min_prompt_tokens)
+    """The router of one policy; `pd_min_prompt_tokens` None: the policy's own `split_gate_tokens`."""
     ranker = build_ranker(policy, **knobs)
+    gate = ranker.split_gate_tokens if pd_min_prompt_tokens is None else pd_min_prompt_tokens
+    split = SplitSettings(Disaggregation(disaggregation), gate)
     simple_split = split.disaggregation is not Disaggregation.NEVER and not ranker.judges_split
     return PlanningRouter(ranker, split, build_ranker(policy, **knobs) if simple_split else None)

@@ -375,6 +375,29 @@ def test_a_burst_is_not_stacked_on_the_fastest_backend(llama):
         assert plan.aggregated[0] == 1
 
 
+def test_a_queued_prompts_ttft_outweighs_a_stall_spread_over_a_decodes_output(llama):
+    """Eight prompts of a burst wait in the B200's step, and each H100 decodes 16 sequences; every
+    backend holds 1,024 of the prompt's 1,536 tokens. Prefilled on the B200 (whole or split), this
+    prompt delays the eight by its 18 ms; on an H100 it stalls each of 16 decodes by 24 ms, spread
+    over their 128 tokens. By share of the SLO budget the queued prompts' TTFT weighs more, and an
+    H100 serves it whole; counted as seconds alike, the stall weighed more and the B200 took it."""
+    specs = (
+        BackendSpec("b200-0", "m", "b200", 4, BOTH),
+        BackendSpec("h100-0", "m", "h100-sxm", 4, BOTH),
+        BackendSpec("h100-1", "m", "h100-sxm", 4, BOTH),
+    )
+    burst = BackendStats(in_flight=8, prefill_tokens=8 * 512, prefill_seqs=8)
+    decoding = BackendStats(in_flight=16, running=16, decode_seqs=16, context_tokens=16 * 1600)
+    c = Candidates.build(specs, (burst, decoding, decoding), np.full(3, 1024, dtype=np.int64))
+    request = RequestFeatures("m", prompt_tokens=1536, max_tokens=128)
+    ranker = CostRanker(llama)
+    priced = ranker._price(request, c, ranker._cluster(c.specs))
+    assert priced.stall[1] * priced.seqs[1] > priced.delay[0] > 0  # more seconds of stall than of delay
+    for split in ("never", "auto"):
+        plan = build_router("cost", split, model=llama).plan(request, c)
+        assert plan.mode is Mode.AGGREGATED and plan.aggregated[0] in (1, 2), split
+
+
 def test_an_idle_backend_is_not_dearer_than_a_busy_one_without_a_split(llama):
     """Without a split an idle backend's weights read are spare capacity: two alike backends, one decoding
     one sequence, the other idle: the idle one serves the next request. With a split allowed the first

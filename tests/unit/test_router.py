@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gateway.config import GatewayConfig
+from gateway.decision import build_routers
+from scoring.catalog import load_catalog
 from scoring.router import LeastLoad, Rotation, RoundRobin, build_router
 from scoring.types import BackendSpec, BackendStats, Candidates, Mode, RequestFeatures, Role
 
@@ -92,6 +95,27 @@ def test_auto_splits_only_long_uncached_prompts(prompt_tokens, cached_on_decode,
     router = build_router("round_robin", "auto", pd_min_prompt_tokens=1024)
     plan = router.plan(request(prompt_tokens), candidates([P, D], cached=[0, cached_on_decode]))
     assert plan.mode is mode
+
+
+@pytest.mark.parametrize(("policy", "configured", "gate"), [
+    ("round_robin", None, 1024),
+    ("prefix", None, 1024),
+    ("cost", None, 0),  # it prices each split in seconds
+    ("cost", 2048, 2048),  # an operator's floor holds for it too
+    ("least_load", 0, 0),
+])  # fmt: skip
+def test_the_split_gate_is_the_policys_own_unless_configured(policy, configured, gate):
+    knobs = {"model": load_catalog().model("llama-3.1-70b")} if policy == "cost" else {}
+    config = GatewayConfig.model_validate(
+        {
+            "models": [{"name": "m", "spec": "llama-3.1-70b"}],
+            "backends": [{"id": "b", "url": "http://127.0.0.1:9", "model": "m", "accelerator": "h100-sxm"}],
+            "routing": {"policy": policy, "disaggregation": "auto"}
+            | ({} if configured is None else {"pd_min_prompt_tokens": configured}),
+        }
+    )
+    assert build_routers(config)["m"].split.pd_min_prompt_tokens == gate
+    assert build_router(policy, "auto", configured, **knobs).split.pd_min_prompt_tokens == gate
 
 
 def test_aggregated_prefers_decode_role_over_prefill_only():
