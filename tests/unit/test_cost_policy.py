@@ -378,7 +378,7 @@ def test_a_burst_is_not_stacked_on_the_fastest_backend(llama):
 def test_a_queued_prompts_ttft_outweighs_a_stall_spread_over_a_decodes_output(llama):
     """Eight prompts of a burst wait in the B200's step, and each H100 decodes 16 sequences; every
     backend holds 1,024 of the prompt's 1,536 tokens. Prefilled on the B200 (whole or split), this
-    prompt delays the eight by its 18 ms; on an H100 it stalls each of 16 decodes by 24 ms, spread
+    prompt delays the eight by its 16 ms; on an H100 it stalls each of 16 decodes by 23 ms, spread
     over their 128 tokens. By share of the SLO budget the queued prompts' TTFT weighs more, and an
     H100 serves it whole; counted as seconds alike, the stall weighed more and the B200 took it."""
     specs = (
