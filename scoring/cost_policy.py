@@ -38,7 +38,8 @@ without KV parameters whole, as the other policies and the fluid bound assume). 
 roles may be p in one plan and d in the next, so the prefill:decode ratio follows the traffic; a
 backend with one role only ever takes that role in a split. `never`
 prices aggregated plans only; `always` split plans only (aggregated when no pair is healthy); `auto`
-both, splitting only when the decoder lacks at least `pd_min_prompt_tokens` of the prompt.
+both, with no token floor unless `pd_min_prompt_tokens` is configured (then a split needs a decoder
+that lacks at least that many of the prompt's tokens; `split_gate_tokens`).
 
 **Calibration** (`observe`, outcomes built by `scoring/outcome.py`): per backend, k_b corrects its
 compute. It is fitted by least squares to the measured TTFTs of the prefills it did (the prefill leg of
