@@ -50,9 +50,10 @@ class Poller:
 
     async def _scrape_metrics(self, backend: BackendState) -> None:
         # Health probing owns marking-down; on a failed scrape the last load stays (stale beats none).
+        own_before = backend.own_counts()
         response = await self._get(backend, "/metrics")
         if response is not None and response.status_code == 200:
-            backend.load = parse_vllm_metrics(response.text)
+            backend.report(parse_vllm_metrics(response.text), own_before)
 
     async def _get(self, backend: BackendState, path: str) -> httpx.Response | None:
         try:

@@ -27,6 +27,9 @@ from gateway.stats import VllmLoad
 from scoring.load import Reserved, kv_due_columns, load_columns, request_load
 from scoring.types import BackendSpec, Candidates, LegLoad, Role
 
+OwnCounts = tuple[int, int, int, int]  # `BackendState.own_counts`
+_COLUMNS = 12  # per backend in `ModelPool.candidates`
+
 
 class HealthEvent(Enum):
     EJECTED = "ejected"
@@ -37,15 +40,16 @@ class HealthEvent(Enum):
 
 class BackendState:
     __slots__ = (
+        "_load",
         "busy_until",
         "config",
         "in_flight",
-        "load",
         "outlier",
         "probe_failures",
         "probe_up",
         "remote_in_flight",
         "reserved",
+        "seen",
         "spec",
         "upstream_key",
     )
@@ -69,11 +73,34 @@ class BackendState:
         self.reserved = Reserved()  # the work of the legs in flight, taken at plan time (`reserve`)
         self.remote_in_flight = 0  # other gateway processes' requests on it (gateway/replicas.py)
         self.busy_until = 0.0  # answered 429/503 (backpressure): tried last until then (decision.demote)
-        self.load = VllmLoad()
+        self._load = VllmLoad()
+        self.seen: OwnCounts = (0, 0, 0, 0)  # own_counts() when `load` was reported
 
     @property
     def id(self) -> str:
         return self.config.id
+
+    @property
+    def load(self) -> VllmLoad:
+        """What vLLM's /metrics said last (`report`)."""
+        return self._load
+
+    def own_counts(self) -> OwnCounts:
+        """The gateway's own view of this backend, as `load_columns`' `seen` takes it: legs in flight
+        (this process's and other replicas'), legs still to prefill, sequences decoding, their context."""
+        r = self.reserved
+        return (self.in_flight + self.remote_in_flight, r.prefill_seqs, r.decode_seqs, r.context_tokens)
+
+    def report(self, load: VllmLoad, own_before: OwnCounts | None = None) -> None:
+        """vLLM's counts as scraped, with the gateway's own counts at the time (`seen`): each the larger
+        of those before the scrape was sent (`own_before`) and now, so a leg of the gateway's that starts
+        or ends while the scrape is under way is not taken for another client's."""
+        now = self.own_counts()
+        self._load = load
+        self.seen = now if own_before is None else (
+            max(own_before[0], now[0]), max(own_before[1], now[1]),
+            max(own_before[2], now[2]), max(own_before[3], now[3]),
+        )  # fmt: skip
 
     def available(self, now: float) -> bool:
         """Takes traffic outside panic mode: its probe is up and it is not ejected."""
@@ -149,21 +176,21 @@ class ModelPool:
         `Ranker.uses_work`) only the request counts are computed and the work columns are zero."""
         n = len(self.backends)
         # One flat iterator into one array (np.array of 64 tuples spent ~20 us discovering their shape):
-        # the load formula's seven inputs, then vLLM's KV usage.
+        # the load formula's seven inputs, vLLM's KV usage, then the own counts when vLLM reported.
         rows = np.fromiter(
             chain.from_iterable(
                 [
-                    (b.in_flight + b.remote_in_flight, b.load.running, b.load.waiting,
-                     r.prefill_tokens, r.prefill_seqs, r.decode_seqs, r.context_tokens, b.load.kv_usage)
+                    (b.in_flight + b.remote_in_flight, v.running, v.waiting, r.prefill_tokens,
+                     r.prefill_seqs, r.decode_seqs, r.context_tokens, v.kv_usage, *b.seen)
                     for b in self.backends
-                    for r in (b.reserved,)
+                    for r, v in ((b.reserved, b.load),)
                 ]
             ),
             dtype=float,
-            count=8 * n,
-        ).reshape(n, 8).T.copy()  # fmt: skip
+            count=_COLUMNS * n,
+        ).reshape(n, _COLUMNS).T.copy()  # fmt: skip
         # The one load formula, as the simulator uses it; without `work`, its request counts alone.
-        columns = load_columns(*rows[:7]) if work else _counts_only(rows.T)
+        columns = load_columns(*rows[:7], seen=rows[8:]) if work else _counts_only(rows)
         if work:
             rows_due, due_s = kv_due_columns([b.reserved.kv_due for b in self.backends], now)
             columns.update(kv_due_rows=rows_due, kv_due_s=due_s)
@@ -181,9 +208,10 @@ class ModelPool:
 
 def _counts_only(rows: np.ndarray) -> dict[str, np.ndarray]:
     """`load_columns` for routers that read only `load` (see ModelPool.candidates)."""
-    zero = np.zeros(len(rows))
-    return {"load": request_load(*rows[:, :3].T), "prefill_tokens": zero, "prefill_len": zero.copy(),
-            "decode_seqs": zero.copy(), "context_tokens": zero.copy()}  # fmt: skip
+    zero = np.zeros(rows.shape[1])
+    zeros = ("prefill_len", "decode_seqs", "context_tokens", "context_when_reported")
+    return {"load": request_load(*rows[:3], in_flight_seen=rows[8]), "prefill_tokens": zero,
+            **{name: zero.copy() for name in zeros}}  # fmt: skip
 
 
 class Registry:

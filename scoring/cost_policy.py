@@ -208,7 +208,7 @@ class CostRanker(SimpleRanker):
         work = cl.work
         prompt, out = request.prompt_tokens, max(request.max_tokens, 1)
         k = cl.compute_factor
-        seqs, context = c.decode_seqs, work.context(c.context_tokens, c.kv_usage)
+        seqs, context = c.decode_seqs, work.context(c.context_tokens, c.kv_usage, c.context_when_reported)
         cached = np.minimum(c.cached_tokens, max(prompt - 1, 0))  # vLLM recomputes the last token
         new = prompt - cached
         own = prompt + out / 2.0

@@ -98,6 +98,9 @@ class Candidates:
     prefill_len: np.ndarray
     decode_seqs: np.ndarray
     context_tokens: np.ndarray
+    # `context_tokens` as it was when vLLM's `kv_usage` was reported: what the KV usage says beyond it is
+    # other clients' context (`WorkModel.context`).
+    context_when_reported: np.ndarray
     # Split decode legs headed here whose KV has not come: their rows and when each is due, in seconds
     # from now (negative: overdue). A prefill planned on such a row before one is due holds it up.
     kv_due_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))

@@ -536,7 +536,7 @@ def decode_base(ranker: CostRanker, c: Candidates) -> np.ndarray:
     """Each backend's decode step of its running batch (without the new request), as `_price` sees it."""
     work = ranker._cluster(c.specs).work
     n = len(c.specs)
-    context = work.context(c.context_tokens, c.kv_usage)
+    context = work.context(c.context_tokens, c.kv_usage, c.context_when_reported)
     own = long_prompt()
     return work.steps(
         np.full(n, float(own.prompt_tokens)), np.zeros(n), own.prompt_tokens + own.max_tokens / 2,

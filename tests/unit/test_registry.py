@@ -112,8 +112,8 @@ def test_load_combines_own_in_flight_with_reported_queue():
     b0 = reg.backends["b0"]
     reg.reserve(b0, LOAD)
     reg.reserve(b0, LOAD)
-    b0.load = VllmLoad(running=1)  # lags behind our two
-    reg.backends["b1"].load = VllmLoad(running=1, waiting=2)  # other clients' requests
+    b0.report(VllmLoad(running=1))  # lags behind our two
+    reg.backends["b1"].report(VllmLoad(running=1, waiting=2))  # other clients' requests
     assert reg.candidates(reg.pools["m"]).load.tolist() == [2.0, 3.0]
     assert reg.in_flight_total() == 2
 
@@ -123,7 +123,7 @@ def test_work_columns_take_the_larger_of_our_reservations_and_vllms_counts():
     a, b = reg.backends["b0"], reg.backends["b1"]
     reg.reserve(a, LegLoad(prefill_tokens=100, decode_tokens=8, context_tokens=120))
     reg.reserve(a, LegLoad(prefill_tokens=300, decode_tokens=8, context_tokens=280))
-    a.load = VllmLoad(running=4, waiting=6)  # vLLM also serves other clients: its view is larger
+    a.report(VllmLoad(running=4, waiting=6))  # vLLM also serves other clients: its view is larger
     reg.reserve(b, LegLoad(prefill_tokens=50, decode_tokens=8, context_tokens=60))
     # b's metrics lag (nothing reported yet): our reservation is the larger view
     c = reg.candidates(reg.pools["m"])
@@ -135,6 +135,39 @@ def test_work_columns_take_the_larger_of_our_reservations_and_vllms_counts():
     assert c.prefill_len.tolist() == [200.0, 50.0]
 
 
+def test_a_report_counts_only_what_our_own_legs_did_not_explain_when_it_was_taken():
+    """vLLM's counts lag by a poll: our requests that ended since the report no longer count, while
+    another client's request the report showed still does. Taken as the larger of the two views, a
+    decoder whose one sequence had just ended looked busy until the next poll."""
+    reg, _ = registry(Clock())
+    a, b = reg.backends["b0"], reg.backends["b1"]
+    legs = [reg.reserve(a, LegLoad(prefill_tokens=0, decode_tokens=8, context_tokens=100)) for _ in range(2)]
+    a.report(VllmLoad(running=2, kv_usage=0.5))  # our two, nobody else's
+    reg.reserve(b, LegLoad(prefill_tokens=0, decode_tokens=8, context_tokens=100)).release()
+    b.report(VllmLoad(running=1, waiting=1))  # taken after ours ended: another client's two
+    for leg in legs:
+        leg.release()
+    c = reg.candidates(reg.pools["m"])
+    assert c.load.tolist() == [0.0, 2.0]
+    assert c.decode_seqs.tolist() == [0.0, 1.0]
+    assert c.context_tokens.tolist() == [0.0, 0.0]
+    # The KV usage was reported with 200 tokens of ours in use: only what is beyond them is others'.
+    assert c.context_when_reported.tolist() == [200.0, 0.0]
+
+
+def test_a_leg_that_ends_while_the_scrape_is_under_way_is_not_taken_for_another_clients():
+    reg, _ = registry(Clock())
+    a = reg.backends["b0"]
+    leg = reg.reserve(a, LegLoad(prefill_tokens=0, decode_tokens=8, context_tokens=100))
+    before = a.own_counts()
+    leg.release()  # ends after vLLM answered /metrics, before the answer is read
+    a.report(VllmLoad(running=1), before)
+    c = reg.candidates(reg.pools["m"])
+    assert (c.load[0], c.decode_seqs[0]) == (0.0, 0.0)
+    a.report(VllmLoad(running=1))  # without the count before: taken for another client's sequence
+    assert reg.candidates(reg.pools["m"]).decode_seqs[0] == 1.0
+
+
 def test_candidates_equal_candidates_built_from_each_backends_stats():
     """The registry's one pass over its backends gives, column for column and bit for bit, what
     `Candidates.build` gives from per-backend `BackendStats` of the same state."""
@@ -144,8 +177,9 @@ def test_candidates_equal_candidates_built_from_each_backends_stats():
     for b in pool.backends:
         for _ in range(rng.randrange(4)):
             reg.reserve(b, LegLoad(rng.randrange(0, 9000), rng.randrange(1, 300), rng.randrange(0, 9000)))
-        b.load = VllmLoad(running=rng.randrange(6), waiting=rng.randrange(3), kv_usage=rng.random())
         b.remote_in_flight = rng.randrange(3)
+        # reported now: `Candidates.build` takes its stats as one fresh view
+        b.report(VllmLoad(running=rng.randrange(6), waiting=rng.randrange(3), kv_usage=rng.random()))
     got = reg.candidates(pool)
     stats = tuple(
         BackendStats(
@@ -161,7 +195,9 @@ def test_candidates_equal_candidates_built_from_each_backends_stats():
         for b in pool.backends
     )
     want = Candidates.build(pool.specs, stats)
-    for name in ("load", "kv_usage", "prefill_tokens", "prefill_len", "decode_seqs", "context_tokens"):
+    names = ("load", "kv_usage", "prefill_tokens", "prefill_len", "decode_seqs", "context_tokens",
+             "context_when_reported")  # fmt: skip
+    for name in names:
         assert np.array_equal(getattr(got, name), getattr(want, name)), name
 
 

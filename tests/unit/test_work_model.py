@@ -1,4 +1,4 @@
-"""`WorkModel.steps`: what a new request meets on a backend, in seconds, as vLLM's steps run it."""
+"""`load_columns` and `WorkModel`: what a new request meets on a backend, as vLLM's steps run it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from scoring.catalog import load_catalog
 from scoring.cost import Hardware, causal_pairs, step_time
-from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel
+from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel, load_columns
 
 CATALOG = load_catalog()
 R1 = CATALOG.model("deepseek-r1")
@@ -87,3 +87,34 @@ def test_steps_equal_the_five_step_times_bit_for_bit():
         assert np.array_equal(s.wait, wait)
         assert np.array_equal(s.prefill, first - wait)
         assert np.array_equal(s.stall, np.maximum(mixed - base, 0.0))
+
+
+def test_a_fresh_report_gives_the_larger_of_the_two_views():
+    """With vLLM's counts reported now (the simulator's case), each column is the larger of the
+    gateway's view and vLLM's, the rule before reports were reconciled with what the gateway had then."""
+    rng = np.random.default_rng(11)
+    n = 200
+    in_flight, running, waiting = (rng.integers(0, 6, n).astype(float) for _ in range(3))
+    prefill_seqs, decode_seqs = rng.integers(0, 4, n).astype(float), rng.integers(0, 4, n).astype(float)
+    prefill_tokens = prefill_seqs * rng.integers(1, 3000, n)
+    context_tokens = decode_seqs * rng.integers(1, 9000, n)
+    got = load_columns(in_flight, running, waiting, prefill_tokens, prefill_seqs, decode_seqs, context_tokens)
+    seqs = np.maximum(decode_seqs, running)
+    mean_context = np.divide(context_tokens, decode_seqs, out=np.zeros(n), where=decode_seqs > 0)
+    prompt_len = np.divide(prefill_tokens, prefill_seqs, out=mean_context.copy(), where=prefill_seqs > 0)
+    assert np.array_equal(got["load"], np.maximum(in_flight, running + waiting))
+    assert np.array_equal(got["decode_seqs"], seqs)
+    assert np.allclose(got["context_tokens"], np.maximum(context_tokens, seqs * mean_context))
+    assert np.allclose(got["prefill_tokens"], np.maximum(prefill_tokens, waiting * prompt_len))
+    assert np.array_equal(got["context_when_reported"], got["context_tokens"])
+    work = WorkModel(R1, Hardware.of([CATALOG.accelerator("mi300x")] * n, [8] * n, R1.compute_dtype))
+    usage = rng.random(n) * 0.1
+    context = work.context(got["context_tokens"], usage, got["context_when_reported"])
+    assert np.allclose(context, np.maximum(got["context_tokens"], usage * work.kv_capacity))
+
+
+def test_kv_usage_counts_only_beyond_the_context_held_when_it_was_reported():
+    work = WorkModel(R1, HW)
+    held = 0.01 * work.kv_capacity  # what our own sequences held when vLLM reported 1 % in use
+    assert work.context(0 * ONE, 0.01 * ONE, held)[0] == 0.0  # they have ended since: nothing is left
+    assert work.context(0 * ONE, 0.01 * ONE, held / 2)[0] == pytest.approx(held[0] / 2)  # others' half
