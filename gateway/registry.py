@@ -28,7 +28,6 @@ from scoring.load import Reserved, kv_due_columns, load_columns, request_load
 from scoring.types import BackendSpec, Candidates, LegLoad, Role
 
 OwnCounts = tuple[int, int, int, int]  # `BackendState.own_counts`
-_COLUMNS = 12  # per backend in `ModelPool.candidates`
 
 
 class HealthEvent(Enum):
@@ -48,6 +47,7 @@ class BackendState:
         "probe_failures",
         "probe_up",
         "remote_in_flight",
+        "reported",
         "reserved",
         "seen",
         "spec",
@@ -75,6 +75,7 @@ class BackendState:
         self.busy_until = 0.0  # answered 429/503 (backpressure): tried last until then (decision.demote)
         self._load = VllmLoad()
         self.seen: OwnCounts = (0, 0, 0, 0)  # own_counts() when `load` was reported
+        self.reported: tuple[float, ...] = (0.0,) * 7  # what `ModelPool.candidates` reads of both
 
     @property
     def id(self) -> str:
@@ -101,6 +102,7 @@ class BackendState:
             max(own_before[0], now[0]), max(own_before[1], now[1]),
             max(own_before[2], now[2]), max(own_before[3], now[3]),
         )  # fmt: skip
+        self.reported = (load.running, load.waiting, load.kv_usage, *map(float, self.seen))
 
     def available(self, now: float) -> bool:
         """Takes traffic outside panic mode: its probe is up and it is not ejected."""
@@ -157,6 +159,8 @@ class ModelPool:
         self._can_prefill = np.array([Role.PREFILL in s.roles for s in self.specs], dtype=bool)
         self._can_decode = np.array([Role.DECODE in s.roles for s in self.specs], dtype=bool)
         self._capacity = np.array([s.max_num_seqs for s in self.specs], dtype=float)
+        self._reports: list[tuple[float, ...]] = []
+        self._reported = np.zeros((7, len(backends)))
 
     def routable(self, now: float) -> np.ndarray:
         """Who may get traffic: the available backends, or all of them in panic mode."""
@@ -164,6 +168,16 @@ class ModelPool:
         if available.count(True) < self._panic_below:
             return self._everyone
         return np.array(available, dtype=bool)
+
+    def _reported_rows(self) -> np.ndarray:
+        """vLLM's last reports as rows (`BackendState.reported`: running, waiting, KV usage, then the own
+        counts when each was reported), rebuilt only when a report has come in since the last call: a
+        report comes once per scrape, a routing decision on every request."""
+        reports = [b.reported for b in self.backends]
+        if reports != self._reports:  # the same tuples compare by identity, without their values
+            self._reports = reports
+            self._reported = np.array(reports, dtype=float).reshape(len(reports), 7).T.copy()
+        return self._reported
 
     def cooling(self, now: float) -> frozenset[int]:
         """Rows of the backends cooling down after backpressure (`Registry.record_backpressure`)."""
@@ -176,21 +190,25 @@ class ModelPool:
         `Ranker.uses_work`) only the request counts are computed and the work columns are zero."""
         n = len(self.backends)
         # One flat iterator into one array (np.array of 64 tuples spent ~20 us discovering their shape):
-        # the load formula's seven inputs, vLLM's KV usage, then the own counts when vLLM reported.
-        rows = np.fromiter(
+        # the gateway's own five inputs of the load formula.
+        own = np.fromiter(
             chain.from_iterable(
                 [
-                    (b.in_flight + b.remote_in_flight, v.running, v.waiting, r.prefill_tokens,
-                     r.prefill_seqs, r.decode_seqs, r.context_tokens, v.kv_usage, *b.seen)
+                    (b.in_flight + b.remote_in_flight, r.prefill_tokens, r.prefill_seqs, r.decode_seqs,
+                     r.context_tokens)
                     for b in self.backends
-                    for r, v in ((b.reserved, b.load),)
+                    for r in (b.reserved,)
                 ]
             ),
             dtype=float,
-            count=_COLUMNS * n,
-        ).reshape(n, _COLUMNS).T.copy()  # fmt: skip
+            count=5 * n,
+        ).reshape(n, 5).T.copy()  # fmt: skip
+        reported = self._reported_rows()
         # The one load formula, as the simulator uses it; without `work`, its request counts alone.
-        columns = load_columns(*rows[:7], seen=rows[8:]) if work else _counts_only(rows)
+        if work:
+            columns = load_columns(own[0], *reported[:2], *own[1:], seen=reported[3:])
+        else:
+            columns = _counts_only(own[0], reported)
         if work:
             rows_due, due_s = kv_due_columns([b.reserved.kv_due for b in self.backends], now)
             columns.update(kv_due_rows=rows_due, kv_due_s=due_s)
@@ -200,18 +218,18 @@ class ModelPool:
             can_prefill=self._can_prefill,
             can_decode=self._can_decode,
             capacity=self._capacity,
-            kv_usage=rows[7],
+            kv_usage=reported[2].copy(),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
             **columns,
         )
 
 
-def _counts_only(rows: np.ndarray) -> dict[str, np.ndarray]:
+def _counts_only(in_flight: np.ndarray, reported: np.ndarray) -> dict[str, np.ndarray]:
     """`load_columns` for routers that read only `load` (see ModelPool.candidates)."""
-    zero = np.zeros(rows.shape[1])
+    zero = np.zeros(len(in_flight))
     zeros = ("prefill_len", "decode_seqs", "context_tokens", "context_when_reported")
-    return {"load": request_load(*rows[:3], in_flight_seen=rows[8]), "prefill_tokens": zero,
-            **{name: zero.copy() for name in zeros}}  # fmt: skip
+    return {"load": request_load(in_flight, *reported[:2], in_flight_seen=reported[3]),
+            "prefill_tokens": zero, **{name: zero.copy() for name in zeros}}  # fmt: skip
 
 
 class Registry:

@@ -155,6 +155,20 @@ def test_a_report_counts_only_what_our_own_legs_did_not_explain_when_it_was_take
     assert c.context_when_reported.tolist() == [200.0, 0.0]
 
 
+def test_each_new_report_is_read_by_the_next_snapshot():
+    """The reported rows are kept between snapshots: a report that lands in between must show."""
+    reg, _ = registry(Clock())
+    a = reg.backends["b0"]
+    pool = reg.pools["m"]
+    assert reg.candidates(pool).load.tolist() == [0.0, 0.0]
+    a.report(VllmLoad(running=2, kv_usage=0.25))
+    c = reg.candidates(pool)
+    assert (c.load.tolist(), c.kv_usage.tolist()) == ([2.0, 0.0], [0.25, 0.0])
+    a.report(VllmLoad(running=1, waiting=1))  # equal counts, a new report
+    a.report(VllmLoad(waiting=3))
+    assert reg.candidates(pool, work=False).load.tolist() == [3.0, 0.0]
+
+
 def test_a_leg_that_ends_while_the_scrape_is_under_way_is_not_taken_for_another_clients():
     reg, _ = registry(Clock())
     a = reg.backends["b0"]
