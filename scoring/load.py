@@ -12,7 +12,7 @@ One formula in two halves, both vectorised over backends and used alike by the l
      gateway's own figure at the time of the report (`seen`): other clients' load. A request of the
      gateway's that has finished since the report then no longer counts; as the larger of the two views,
      a decoder whose only sequence had just ended looked busy until the next poll, and a burst's decodes
-     were stacked on its peer (HTTP check, seed case: TPOT p90 12.5 % over the DES's). With a fresh
+     were stacked on its peer (traced in the HTTP check, docs/policies.md, eleventh pass). With a fresh
      report (`seen` is now, as in the simulator) this is the larger of the two views.
 2. `WorkModel` prices those columns with `scoring/cost.py`:
    - `queue_s`: the prefill work queued or in progress ahead of a new request (vLLM schedules FCFS), as
