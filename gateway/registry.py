@@ -207,11 +207,10 @@ class ModelPool:
         # The one load formula, as the simulator uses it; without `work`, its request counts alone.
         if work:
             columns = load_columns(own[0], *reported[:2], *own[1:], seen=reported[3:])
-        else:
-            columns = _counts_only(own[0], reported)
-        if work:
             rows_due, due_s = kv_due_columns([b.reserved.kv_due for b in self.backends], now)
             columns.update(kv_due_rows=rows_due, kv_due_s=due_s)
+        else:
+            columns = _counts_only(own[0], reported)
         return Candidates(
             specs=self.specs,
             healthy=self.routable(now),
