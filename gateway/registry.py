@@ -49,7 +49,6 @@ class BackendState:
         "remote_in_flight",
         "reported",
         "reserved",
-        "seen",
         "spec",
         "upstream_key",
     )
@@ -74,8 +73,9 @@ class BackendState:
         self.remote_in_flight = 0  # other gateway processes' requests on it (gateway/replicas.py)
         self.busy_until = 0.0  # answered 429/503 (backpressure): tried last until then (decision.demote)
         self._load = VllmLoad()
-        self.seen: OwnCounts = (0, 0, 0, 0)  # own_counts() when `load` was reported
-        self.reported: tuple[float, ...] = (0.0,) * 7  # what `ModelPool.candidates` reads of both
+        # What `ModelPool.candidates` reads of the last report: running, waiting, KV usage, then the
+        # own counts when it was reported (`report`).
+        self.reported: tuple[float, ...] = (0.0,) * 7
 
     @property
     def id(self) -> str:
@@ -93,16 +93,13 @@ class BackendState:
         return (self.in_flight + self.remote_in_flight, r.prefill_seqs, r.decode_seqs, r.context_tokens)
 
     def report(self, load: VllmLoad, own_before: OwnCounts | None = None) -> None:
-        """vLLM's counts as scraped, with the gateway's own counts at the time (`seen`): each the larger
-        of those before the scrape was sent (`own_before`) and now, so a leg of the gateway's that starts
-        or ends while the scrape is under way is not taken for another client's."""
+        """vLLM's counts as scraped, with the gateway's own counts at the time (`load_columns`' `seen`):
+        each the larger of those before the scrape was sent (`own_before`) and now, so a leg of the
+        gateway's that starts or ends while the scrape is under way is not taken for another client's."""
         now = self.own_counts()
+        seen = now if own_before is None else map(max, own_before, now)
         self._load = load
-        self.seen = now if own_before is None else (
-            max(own_before[0], now[0]), max(own_before[1], now[1]),
-            max(own_before[2], now[2]), max(own_before[3], now[3]),
-        )  # fmt: skip
-        self.reported = (load.running, load.waiting, load.kv_usage, *map(float, self.seen))
+        self.reported = (load.running, load.waiting, load.kv_usage, *map(float, seen))
 
     def available(self, now: float) -> bool:
         """Takes traffic outside panic mode: its probe is up and it is not ejected."""
