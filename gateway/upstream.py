@@ -8,15 +8,23 @@ that keeps streaming is healthy. Low-level errors are translated here, at one bo
 Backends are never followed elsewhere: a 3xx is an upstream error (a redirect would re-send the prompt to
 a host the configuration does not name). A non-streamed body is read up to `max_response_bytes`, never
 buffered whole beyond it.
+
+Legs to one backend are written in the order they were opened (`SendOrder`): vLLM admits waiting
+requests first come, first served, and the cost policy books each prefill behind those it planned
+before (scoring/cost_policy.py `_join`). Without it, a leg that needed a new connection (a burst
+beyond the pooled ones) could reach the backend after a leg opened later on a pooled connection
+(docs/policies.md, twelfth pass).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import aiohttp
+from aiohttp.abc import AbstractStreamWriter
 
 from gateway.config import Timeouts
 from gateway.registry import BackendState, Reservation
@@ -89,6 +97,50 @@ class Leg:
     head: bytes = b""  # the first bytes of a stream, read before the client saw any (P/D decode legs)
 
 
+class SendOrder:
+    """Each backend's legs take turns to write their request, in the order they were opened.
+
+    A leg waits only while the one opened before it to the same backend has not written its body yet:
+    with a pooled connection that is one step of the event loop, with a new one the connect. Only the
+    backends with a leg waiting or writing have an entry."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, asyncio.Future[None]] = {}
+
+    def take(self, backend_id: str) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
+        """The turn of the leg opened before (None: none is still writing) and this leg's own."""
+        ahead = self._last.get(backend_id)
+        mine = asyncio.get_running_loop().create_future()
+        self._last[backend_id] = mine
+        return ahead, mine
+
+    def __len__(self) -> int:
+        """The backends with a leg waiting or writing."""
+        return len(self._last)
+
+    def end(self, backend_id: str, turn: asyncio.Future[None]) -> None:
+        """The leg's request is written, or it will never be: the next leg may write. Idempotent."""
+        if not turn.done():
+            turn.set_result(None)
+        if self._last.get(backend_id) is turn:
+            del self._last[backend_id]
+
+
+class _InTurn(aiohttp.BytesPayload):
+    """A request body that ends its leg's turn (`SendOrder`) once aiohttp has written it to the
+    connection (and drained it below the transport's high-water mark)."""
+
+    def __init__(self, body: bytes, written: Callable[[], None]) -> None:
+        super().__init__(body, content_type="application/json")
+        self._written = written
+
+    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+        try:
+            await super().write_with_length(writer, content_length)
+        finally:
+            self._written()
+
+
 class Upstream:
     def __init__(
         self,
@@ -99,6 +151,7 @@ class Upstream:
         self.timeouts = timeouts
         self.failing_statuses = failing_statuses  # answered as LegFailed("status"): see gateway/retry.py
         self.max_response_bytes = max_response_bytes
+        self.order = SendOrder()
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300
@@ -113,13 +166,20 @@ class Upstream:
 
     async def open(self, backend: BackendState, path: str, body: bytes, request_id: str) -> Leg:
         """Send the request; return once the status and headers are in. Raises LegFailed."""
-        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        headers = {"X-Request-Id": request_id}
         if backend.upstream_key:
             headers["Authorization"] = f"Bearer {backend.upstream_key}"
+        ahead, turn = self.order.take(backend.id)
+        written = functools.partial(self.order.end, backend.id, turn)
         try:
             async with asyncio.timeout(self.timeouts.ttfb_s):
+                if ahead is not None:
+                    await asyncio.shield(ahead)  # a leg that gives up waiting does not end that turn
                 response = await self.session.post(
-                    backend.config.base_url + path, data=body, headers=headers, allow_redirects=False
+                    backend.config.base_url + path,
+                    data=_InTurn(body, written),
+                    headers=headers,
+                    allow_redirects=False,
                 )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
             raise LegFailed("connect", retryable=True, detail=type(error).__name__) from None
@@ -127,10 +187,12 @@ class Upstream:
             raise LegFailed("reset", retryable=True, detail=type(error).__name__) from None
         except TimeoutError:
             raise LegFailed("timeout", retryable=True, status=504, detail="no headers in ttfb_s") from None
+        finally:
+            written()  # a leg that failed or was cancelled before writing must not hold up the next
         status = response.status
         if status in self.failing_statuses:
-            payload = await self._read_quietly(response)
-            raise LegFailed("status", retryable=True, status=status, body=payload)
+            reply = await self._read_quietly(response)
+            raise LegFailed("status", retryable=True, status=status, body=reply)
         if 300 <= status < 400:
             response.close()  # its body and Location header never reach the client
             raise LegFailed("redirect", retryable=True)
