@@ -118,8 +118,14 @@ class SendOrder:
         """The backends with a leg waiting or writing."""
         return len(self._last)
 
-    def end(self, backend_id: str, turn: asyncio.Future[None]) -> None:
-        """The leg's request is written, or it will never be: the next leg may write. Idempotent."""
+    def end(
+        self, backend_id: str, turn: asyncio.Future[None], ahead: asyncio.Future[None] | None = None
+    ) -> None:
+        """The leg's request is written, or it will never be: the next leg may write once `ahead` (the
+        turn this leg waited for, when it gave up waiting) has ended too, so the order holds. Idempotent."""
+        if ahead is not None and not ahead.done():
+            ahead.add_done_callback(lambda _: self.end(backend_id, turn))
+            return
         if not turn.done():
             turn.set_result(None)
         if self._last.get(backend_id) is turn:
@@ -188,7 +194,9 @@ class Upstream:
         except TimeoutError:
             raise LegFailed("timeout", retryable=True, status=504, detail="no headers in ttfb_s") from None
         finally:
-            written()  # a leg that failed or was cancelled before writing must not hold up the next
+            # A leg that failed or was cancelled before writing must not hold up the next for longer
+            # than the legs ahead of it.
+            self.order.end(backend.id, turn, ahead)
         status = response.status
         if status in self.failing_statuses:
             reply = await self._read_quietly(response)

@@ -89,13 +89,19 @@ async def test_a_leg_that_cannot_connect_does_not_hold_up_the_next(server):
     assert len(upstream.order) == 0  # no turn is left behind
 
 
-async def test_turns_end_in_any_order_and_leave_nothing_behind():
+async def test_a_leg_that_gives_up_waiting_keeps_the_next_behind_the_one_it_waited_for():
     order = SendOrder()
     none_ahead, first = order.take("b")
     ahead, second = order.take("b")
     assert none_ahead is None and ahead is first
-    order.end("b", second)  # the second gave up (cancelled) before the first wrote
+    behind_second, third = order.take("b")
+    order.end("b", second, ahead)  # the second is cancelled while the first still connects
+    await asyncio.sleep(0)
+    assert not second.done()  # so the third still waits
     order.end("b", first)
     order.end("b", first)  # idempotent
-    assert first.done() and second.done()
+    await asyncio.sleep(0)
+    assert first.done() and second.done() and behind_second is second
+    assert len(order) == 1  # the third's own turn, until it has written
+    order.end("b", third)
     assert len(order) == 0
