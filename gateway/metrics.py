@@ -8,7 +8,8 @@ With `--workers N` every worker counts its own requests. `hetgate serve` then ru
 multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, a fresh folder per run unless set): each worker writes its
 values to files there and any worker's `/metrics` answers for all of them, counters and histograms
 summed, in-flight gauges summed over live workers, health and cluster-wide in-flight their maximum.
-Gauges read from backend state are refreshed at each scrape and, with several workers, every second.
+Gauges read from backend state are refreshed at each scrape and, with several workers, every second
+and when a request ends (its backends' in-flight gauges).
 """
 
 from __future__ import annotations
@@ -287,6 +288,18 @@ class GatewayMetrics:
             self.in_flight.labels(backend_id).set(backend.in_flight)
             self.pending_decodes.labels(backend_id).set(len(backend.reserved.kv_due))
             self.cluster_in_flight.labels(backend_id).set(backend.in_flight + backend.remote_in_flight)
+
+    def legs_ended(self, backends: Iterable[BackendState]) -> None:
+        """A request gave its backends back: with several workers, write their in-flight gauges now,
+        so another worker's scrape does not read this one's count from before (up to a refresh old)."""
+        if not self.multiprocess:
+            return  # one process: the scrape refreshes them
+        for backend in backends:
+            if backend.id not in self._backends:
+                continue  # removed meanwhile: its series are gone and stay gone
+            self.in_flight.labels(backend.id).set(backend.in_flight)
+            self.pending_decodes.labels(backend.id).set(len(backend.reserved.kv_due))
+            self.cluster_in_flight.labels(backend.id).set(backend.in_flight + backend.remote_in_flight)
 
     async def refresh_every(self, interval_s: float) -> None:
         """With several workers a scrape reads every worker's files: keep this worker's fresh."""
