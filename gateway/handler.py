@@ -183,8 +183,7 @@ class CompletionHandler:
             await self._route(ex, pool, send, headers, slo)
         finally:
             ex.release_all()  # the one place a request's reservations end, however it ended
-            if ex.reservations:
-                self.metrics.legs_ended(r.backend for r in ex.reservations)
+            self.metrics.legs_ended(r.backend for r in ex.reservations)
 
     async def _route(
         self, ex: Exchange, pool: ModelPool, send: Send, headers: dict[bytes, bytes], slo: SloOverride

@@ -285,9 +285,13 @@ class GatewayMetrics:
         """Copy what the backends' state says into the gauges that mirror it."""
         for backend_id, (backend, available) in self._backends.items():
             self.healthy.labels(backend_id).set(1 if available() else 0)
-            self.in_flight.labels(backend_id).set(backend.in_flight)
-            self.pending_decodes.labels(backend_id).set(len(backend.reserved.kv_due))
-            self.cluster_in_flight.labels(backend_id).set(backend.in_flight + backend.remote_in_flight)
+            self._mirror_load(backend)
+
+    def _mirror_load(self, backend: BackendState) -> None:
+        backend_id = backend.id
+        self.in_flight.labels(backend_id).set(backend.in_flight)
+        self.pending_decodes.labels(backend_id).set(len(backend.reserved.kv_due))
+        self.cluster_in_flight.labels(backend_id).set(backend.in_flight + backend.remote_in_flight)
 
     def legs_ended(self, backends: Iterable[BackendState]) -> None:
         """A request gave its backends back: with several workers, write their in-flight gauges now,
@@ -295,11 +299,8 @@ class GatewayMetrics:
         if not self.multiprocess:
             return  # one process: the scrape refreshes them
         for backend in backends:
-            if backend.id not in self._backends:
-                continue  # removed meanwhile: its series are gone and stay gone
-            self.in_flight.labels(backend.id).set(backend.in_flight)
-            self.pending_decodes.labels(backend.id).set(len(backend.reserved.kv_due))
-            self.cluster_in_flight.labels(backend.id).set(backend.in_flight + backend.remote_in_flight)
+            if backend.id in self._backends:  # one removed meanwhile: its series are gone and stay gone
+                self._mirror_load(backend)
 
     async def refresh_every(self, interval_s: float) -> None:
         """With several workers a scrape reads every worker's files: keep this worker's fresh."""

@@ -50,15 +50,21 @@ def settle() -> tuple[float, float]:
     """
     start = time.monotonic()
     while True:
-        in_use = sum(cores for _, cores in busiest_processes(top=1_000_000))
+        in_use = sum(cores for _, _, cores in cpu_use())
         waited = time.monotonic() - start
         if in_use < QUIET_CORES or waited > SETTLE_MAX_S:
             return waited, in_use
 
 
-def busiest_processes(window_s: float = 1.0, top: int = 5) -> list[tuple[str, float]]:
-    """The processes that used the most CPU over `window_s` (name, cores busy), read from /proc: what
-    loaded the host when a check failed."""
+def busiest_processes(top: int = 5) -> list[tuple[str, float]]:
+    """The processes that used the most CPU over a second (command line, cores busy): what loaded the
+    host when the check failed."""
+    used = sorted(cpu_use(), key=lambda x: -x[2])[:top]
+    return [(command_line(pid) or name, round(cores, 2)) for pid, name, cores in used]
+
+
+def cpu_use(window_s: float = 1.0) -> list[tuple[str, str, float]]:
+    """Each process's CPU over `window_s` (pid, name, cores busy), read from /proc."""
 
     def ticks() -> dict[str, tuple[str, int]]:
         seen = {}
@@ -75,11 +81,9 @@ def busiest_processes(window_s: float = 1.0, top: int = 5) -> list[tuple[str, fl
     time.sleep(window_s)
     hz = os.sysconf("SC_CLK_TCK")
     after = ticks()
-    busy = [
+    return [
         (pid, name, (t - before[pid][1]) / hz / window_s) for pid, (name, t) in after.items() if pid in before
     ]
-    used = sorted(busy, key=lambda x: -x[2])[:top]
-    return [(command_line(pid) or name, round(cores, 2)) for pid, name, cores in used]
 
 
 def command_line(pid: str) -> str:
