@@ -216,6 +216,7 @@ class ModelPool:
             capacity=self._capacity,
             kv_usage=reported[2].copy(),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
+            now=now,
             **columns,
         )
 

@@ -12,8 +12,9 @@ outcome weighted by the inverse square of its roofline prediction (the errors ar
 errors of its own: with one factor on `C` alone (the queue subtracted as predicted), a queue predicted
 30 % too long was credited to a compute part a tenth its size, and under sustained load the factor
 swung between its clips (B200 + 2x H100, shared system prompts at 0.8x the fluid bound: B200 2.93,
-H100s 0.1, for a true 1.0). Fitted together, the same point learns compute 0.98 / 1.19 / 1.21 and
-queue 0.66 / 0.53 / 0.49 (tests/unit/test_calibration_converges.py runs it). The regressors are the
+H100s 0.1, for a true 1.0). Fitted together, the same point learns compute 1.19 / 1.22 / 1.19 and
+queue 0.85 / 0.60 / 0.64 (tests/unit/test_calibration_converges.py runs it; 0.66 / 0.53 / 0.49 while
+a running step was still counted as joinable, `scoring/cost_policy.py` `_join`). The regressors are the
 roofline's own seconds, never the corrected ones, so what was learnt never feeds back into what is
 measured next. The cost policy prices with the compute factor only (scoring/cost_policy.py says why).
 

@@ -47,7 +47,7 @@ a split is measured on its own) together with a second factor on the roofline's 
 in `scoring/calibration.py`, which says why: the queue model's own error is then not taken for slow
 compute. That queue factor (`queue_correction`) is a diagnostic, not a price: the queue is priced as
 k_b times the roofline's, as the other work on that backend. Priced with it, the NVIDIA mix lost under
-`auto`: the queue model is pessimistic on average under steady load (factor 0.5-0.9 there) but not
+`auto`: the queue model is pessimistic on average under steady load (factor 0.6-0.9 there) but not
 in a burst, where all of a group's prompts queue at once (SLO capacity, bursty@nvidia 37.9 -> 3.71
 requests/s, multi-turn 18.8 -> 14.6, Azure conversations 17.7 -> 13.6). t_pd corrects the transfer
 per (prefill, decode) pair from the decode leg's time to first token, moving by `learning_rate` of
@@ -157,6 +157,7 @@ class _Priced:
     stall: np.ndarray  # how much longer the running batch's steps take in all while this prefill runs
     seqs: np.ndarray  # sequences decoding
     delay: np.ndarray  # how much later the queued prompts that share this prefill's step finish, in all
+    opens: np.ndarray  # seconds until the step a new prefill joins starts (later prompts may join it)
 
 
 class CostRanker(SimpleRanker):
@@ -235,7 +236,11 @@ class CostRanker(SimpleRanker):
         # chunk, the pair corrections learnt the rest as transfer time (10x, their clip, on the AMD
         # seed cluster's conversations).
         chunk_share = np.minimum(1.0, self.chunk_tokens / np.maximum(c.prefill_tokens, 1.0))
-        first_step = 2.0 * step + queue * (1.0 - chunk_share)
+        ahead = queue * (1.0 - chunk_share)  # the queue's full chunks: steps of their own
+        first_step = 2.0 * step + ahead
+        # The step a new prefill joins starts when the step in progress ends (half of one on average)
+        # and the full chunks ahead have run; until then later prompts may join it (`_join`).
+        opens = 0.5 * base + ahead
         kv_ok = context + prompt + out <= cl.kv_limit
         stall = k * s.stall
         ttft = wait + compute
@@ -260,6 +265,7 @@ class CostRanker(SimpleRanker):
             stall,
             seqs,
             delay,
+            opens,
         )
 
     @staticmethod
@@ -364,16 +370,16 @@ class CostRanker(SimpleRanker):
         )  # fmt: skip
         if pair is None:
             reason = "never" if split.disaggregation is Disaggregation.NEVER else "no_split"
-            return self._route(request, c, (Mode.AGGREGATED, aggregated, (), (), reason), agg_pred)
+            return self._route(request, c, (Mode.AGGREGATED, aggregated, (), (), reason), agg_pred, p.opens)
         prefills, decodes, pair_pred, pair_key = pair
         # `auto` weighs the split against serving whole where some backend has both roles.
         if split.disaggregation is Disaggregation.AUTO and (healthy & c.can_prefill & c.can_decode).any():
             agg_rank = (not bool(agg_ok[best_agg]), agg_cost[best_agg], float(agg_finish[best_agg]))
             if not _pair_wins(pair_key, agg_rank, self.cost_tolerance):
                 return self._route(
-                    request, c, (Mode.AGGREGATED, aggregated, (), (), "split_costlier"), agg_pred
+                    request, c, (Mode.AGGREGATED, aggregated, (), (), "split_costlier"), agg_pred, p.opens
                 )
-        return self._route(request, c, (Mode.PD, aggregated, prefills, decodes, "split"), pair_pred)
+        return self._route(request, c, (Mode.PD, aggregated, prefills, decodes, "split"), pair_pred, p.opens)
 
     def _route(
         self,
@@ -381,36 +387,42 @@ class CostRanker(SimpleRanker):
         c: Candidates,
         plan: tuple[Mode, tuple[int, ...], tuple[int, ...], tuple[int, ...], str],
         predicted: _Predicted,
+        opens: np.ndarray,
     ) -> RoutePlan:
         """The plan (mode, aggregated, prefill, decode, reason) with its `Prediction` (the fields in
-        order, less `joined`), its prefill booked on its backend (`_join`). Built once: rebuilt by
-        `dataclasses.replace`, it cost more than the rest of the plan's bookkeeping."""
+        order, less `joined`), its prefill booked on its backend (`_join`; `opens`: `_Priced.opens`).
+        Built once: rebuilt by `dataclasses.replace`, it cost more than the rest of the plan's
+        bookkeeping."""
         mode, aggregated, prefill, decode, reason = plan
         row = prefill[0] if mode is Mode.PD else aggregated[0]
-        wait_s, roofline_compute_s = predicted[0], predicted[7]
-        joined = self._join(request, c, row, wait_s, roofline_compute_s)
+        joined = self._join(request, c, row, predicted[7], float(opens[row]))
         return RoutePlan(mode, aggregated, prefill, decode, reason, Prediction(*predicted, joined=joined))
 
     def _join(
-        self, request: RequestFeatures, c: Candidates, row: int, wait_s: float, compute_s: float
+        self, request: RequestFeatures, c: Candidates, row: int, compute_s: float, opens_s: float
     ) -> Joined:
-        """Book a planned prefill on its backend (`wait_s` and roofline `compute_s` as predicted): it
-        joins the step of the prompts in the queue's last, partly filled chunk (the most recently
-        planned there, as vLLM admits them in order), and lengthens that step by its own share of it;
-        then it waits for later ones to join its own, unless nothing is ahead of it (an idle backend
-        starts its step at once: later prompts wait)."""
+        """Book a planned prefill on its backend (roofline `compute_s` as predicted): it joins the
+        step of the prompts in the queue's last, partly filled chunk (the most recently planned there,
+        as vLLM admits them in order) if that step has not started, and lengthens it by its own share
+        of it; then it waits for later ones to join its own until that starts (`opens_s` from now; at
+        once on an idle backend).
+
+        A step that has started takes no more prompts. Counted as joinable until its prompts' first
+        tokens, a running step's prompts were credited with the next step's work as well: their
+        queue looked 1.6-1.8x what they waited (B200 + 2x H100 bursts at half the fluid bound), and
+        calibration took the excess for slowness (B200 compute 2.48 for a true 1.0;
+        docs/policies.md, thirteenth pass)."""
         prompt = request.prompt_tokens
         new = max(prompt - min(int(c.cached_tokens[row]), prompt - 1), 1)
         rest = float(c.prefill_tokens[row]) % self.chunk_tokens
         added = compute_s * min(new, self.chunk_tokens - rest) / new
         booked = self._planned.setdefault(c.specs[row].id, deque(maxlen=_PLANNED_KEPT))
-        for earlier in reversed(booked):
-            if rest <= 0:
+        for earlier in reversed(booked):  # newest first: once one has started, the older ones have
+            if rest <= 0 or earlier.closes_at <= c.now:
                 break
-            if earlier.joinable:
-                earlier.seconds += added
+            earlier.seconds += added
             rest -= earlier.tokens
-        joined = Joined(float(new), joinable=wait_s > 0)
+        joined = Joined(float(new), closes_at=c.now + opens_s)
         booked.append(joined)
         return joined
 

@@ -105,6 +105,9 @@ class Candidates:
     # from now (negative: overdue). A prefill planned on such a row before one is due holds it up.
     kv_due_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
     kv_due_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # The clock this snapshot was read on (seconds: the registry's monotonic clock, the simulator's
+    # time), the one `kv_due_s` is relative to: a policy dates what it books with it (`Joined`).
+    now: float = 0.0
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -119,6 +122,7 @@ class Candidates:
         specs: tuple[BackendSpec, ...],
         stats: tuple[BackendStats, ...],
         cached_tokens: np.ndarray | None = None,
+        now: float = 0.0,
     ) -> Candidates:
         """From per-backend stats (tests, small tools); the registry and the simulator fill the same
         columns from their own state through the same formula (`scoring.load.load_columns`)."""
@@ -146,6 +150,7 @@ class Candidates:
             capacity=np.fromiter((s.max_num_seqs for s in specs), dtype=float, count=n),
             kv_usage=col("kv_usage"),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
+            now=now,
             **columns,
         )
 
@@ -155,10 +160,14 @@ class Joined:
     """A planned prefill's share of the later ones: the roofline seconds that prompts planned after it
     added to the engine step it finishes in (vLLM fills a step with waiting prompts, and they finish
     together). Its policy adds them as it plans; at plan time they are unknown, so they are not in
-    `Prediction`'s times, and calibration counts them with the queue (not as slowness)."""
+    `Prediction`'s times, and calibration counts them with the queue (not as slowness).
+
+    Only until that step starts (`closes_at`, on the clock of `Candidates.now`): vLLM schedules a step
+    from the prompts waiting when it begins, and a prompt that arrives while it runs waits for the next
+    one. A prompt planned on an idle backend starts at once (`closes_at` is its plan time)."""
 
     tokens: float  # the request's own prefill tokens on its backend
-    joinable: bool = True  # False: it starts at once on an idle backend, a step no later prompt joins
+    closes_at: float = math.inf
     seconds: float = 0.0
 
 

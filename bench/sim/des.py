@@ -395,6 +395,7 @@ class Replay:
             **load_columns(*stats[:7]),
             kv_due_rows=due_rows,
             kv_due_s=due_s,
+            now=now,
         )
 
     def _stats_row(self, k: int) -> tuple[float, ...]:

@@ -619,3 +619,43 @@ def test_a_prefill_that_would_hold_up_a_split_decode_leg_pays_for_it(llama):
     assert p.delay[0] == pytest.approx(0.25 * p.compute[0])
     _, p = priced_with_leg_due(float(p.ttft[0]) + 0.01)
     assert p.delay.tolist() == [0.0, 0.0]
+
+
+def one_b200(stats: BackendStats, now: float) -> Candidates:
+    return Candidates.build((BackendSpec("b200-0", "m", "b200", 4, BOTH),), (stats,), now=now)
+
+
+def test_a_prompt_joins_a_step_only_until_it_starts(llama):
+    """A prompt planned on a decoding B200 waits for the step in progress to end: one planned before
+    then shares its step (and adds to its `joined` seconds); one planned after it started waits for the
+    next step and adds nothing. Counted as joining until the first prompt's first token, a burst that
+    arrived while the step ran was credited to it too (docs/policies.md, thirteenth pass)."""
+    router = build_router("cost", "never", model=llama)
+    request = RequestFeatures("m", prompt_tokens=1536, max_tokens=128)
+    decoding = BackendStats(in_flight=4, running=4, decode_seqs=4, context_tokens=4 * 1600)
+    first = router.plan(request, one_b200(decoding, now=100.0)).predicted
+    assert first is not None and first.joined is not None
+    assert first.joined.closes_at > 100.0  # the step in progress ends first
+    # The first prompt is reserved (queued) there now; a second planned before its step starts joins it.
+    queued = BackendStats(
+        in_flight=5, running=4, prefill_tokens=1536, prefill_seqs=1, decode_seqs=5, context_tokens=5 * 1600
+    )
+    router.plan(request, one_b200(queued, now=100.0))
+    shared = first.joined.seconds
+    assert shared > 0
+    # Planned once that step has started (the first prompt still reserved: its first token is not out).
+    third = router.plan(request, one_b200(queued, now=first.joined.closes_at + 1e-3)).predicted
+    assert first.joined.seconds == shared
+    assert third is not None and third.joined is not None and third.joined.closes_at > first.joined.closes_at
+
+
+def test_an_idle_backends_step_starts_at_once_and_takes_no_later_prompt(llama):
+    router = build_router("cost", "never", model=llama)
+    request = RequestFeatures("m", prompt_tokens=1536, max_tokens=128)
+    first = router.plan(request, one_b200(BackendStats(), now=5.0)).predicted
+    assert first is not None and first.joined is not None and first.joined.closes_at == 5.0
+    queued = BackendStats(
+        in_flight=1, prefill_tokens=1536, prefill_seqs=1, decode_seqs=1, context_tokens=1536
+    )
+    router.plan(request, one_b200(queued, now=5.0))  # the same instant: the step already runs
+    assert first.joined.seconds == 0.0
