@@ -8,13 +8,17 @@ it was planned), both in roofline seconds. `ComputeFit` fits
 
 per backend, by weighted least squares over the recent outcomes (exponential forgetting), each
 outcome weighted by the inverse square of its roofline prediction (the errors are relative: a 5 % miss on a
-2 s prompt and on a 20 ms one say the same). Two coefficients, not one, because the queue model has
+2 s prompt and on a 20 ms one say the same) times the square of the compute's share in it (an outcome
+that was nearly all queue says little about the compute: weighted alike, a backend whose every prompt
+waited 5-10x its own prefill had the queue model's leftover error read as slowness, B200 + 2x H100
+bursts at half the fluid bound: B200 1.79 for a true 1.0, 1.01 weighted so). Two coefficients, not one,
+because the queue model has
 errors of its own: with one factor on `C` alone (the queue subtracted as predicted), a queue predicted
 30 % too long was credited to a compute part a tenth its size, and under sustained load the factor
 swung between its clips (B200 + 2x H100, shared system prompts at 0.8x the fluid bound: B200 2.93,
-H100s 0.1, for a true 1.0). Fitted together, the same point learns compute 1.19 / 1.22 / 1.19 and
-queue 0.85 / 0.60 / 0.64 (tests/unit/test_calibration_converges.py runs it; 0.66 / 0.53 / 0.49 while
-a running step was still counted as joinable, `scoring/cost_policy.py` `_join`). The regressors are the
+H100s 0.1, for a true 1.0). Fitted together, the same point learns compute 1.09 / 1.21 / 1.14 and
+queue 0.94 / 0.68 / 0.68 (tests/unit/test_calibration_converges.py runs it; queue 0.66 / 0.53 / 0.49
+while a running step was still counted as joinable, `scoring/cost_policy.py` `_join`). The regressors are the
 roofline's own seconds, never the corrected ones, so what was learnt never feeds back into what is
 measured next. The cost policy prices with the compute factor only (scoring/cost_policy.py says why).
 
@@ -58,7 +62,8 @@ class ComputeFit:
         if compute_s <= 0 or queue_s < 0 or not np.isfinite(measured_s) or measured_s <= 0:
             return False
         x = np.array([compute_s, queue_s])
-        weight = 1.0 / (compute_s + queue_s) ** 2  # relative errors (a common factor leaves the fit as it is)
+        # Relative errors (a common factor leaves the fit as it is), by the compute's share (see above).
+        weight = compute_s**2 / (compute_s + queue_s) ** 4
         self._xx *= self._decay
         self._xy *= self._decay
         self._xx += weight * np.outer(x, x)
