@@ -28,7 +28,7 @@ from gateway.registry import BackendState, ModelPool, Registry
 from gateway.schemas import ParsedRequest, estimate_prompt_tokens
 from scoring.catalog import load_catalog
 from scoring.cost_policy import Slo
-from scoring.load import leg_load
+from scoring.load import leg_load, planned_prefill_s
 from scoring.outcome import Measured, outcomes_of
 from scoring.router import build_router
 from scoring.types import Candidates, LegLoad, Mode, Prediction, RequestFeatures, RoutePlan, Router
@@ -140,7 +140,8 @@ class Decision:
         row = self.pool.backends.index(backend)
         cached = 0 if self.cached is None or not self.features.prompt_tokens else int(self.cached[row])
         max_tokens = self.request.max_tokens or 1
-        return leg_load(leg, self.features.prompt_tokens, max_tokens, cached, kv_due_s)
+        prefill_s = planned_prefill_s(self.plan.predicted, leg, row)
+        return leg_load(leg, self.features.prompt_tokens, max_tokens, cached, kv_due_s, prefill_s)
 
     def prediction_for(self, backends: Sequence[BackendState]) -> Prediction | None:
         """The plan's prediction if `backends` (prefiller first) are the ones it was made for, else None:

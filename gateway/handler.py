@@ -34,7 +34,7 @@ from gateway.decision import slo_override as _slo_override
 from gateway.errors import BadRequest, BodyTooLarge, GatewayError, Unauthorized, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Exchange, Proxy
-from gateway.registry import BackendState, ModelPool
+from gateway.registry import ModelPool
 from gateway.schemas import Kind, ParsedRequest, parse_body
 from gateway.upstream import LegFailed
 from scoring.types import Mode
@@ -190,11 +190,9 @@ class CompletionHandler:
     ) -> None:
         try:
             decision = await self.decider.decide(ex.request, pool, headers, slo, started=ex.started)
-            ex.prompt_tokens = decision.features.prompt_tokens
+            ex.load_of = decision.leg_load
             ex.predicted = decision.prediction_for
             ex.measured = lambda: self._learn(ex, decision)
-            if decision.cached is not None:
-                ex.cached = _cached_lookup(pool, decision.cached)
             if decision.plan.mode is Mode.PD:
                 aggregated = decision.aggregated  # the fallback order
                 await self.proxy.disaggregated(ex, decision.prefill, decision.decode, aggregated, send)
@@ -282,11 +280,6 @@ def _request_id(header: bytes | None) -> str:
     if header is not None and _SAFE_REQUEST_ID.match(header):
         return header.decode()
     return os.urandom(16).hex()  # a random 128-bit id, without uuid4's object (a tenth of its cost)
-
-
-def _cached_lookup(pool: ModelPool, cached: Any) -> Callable[[BackendState], int]:
-    rows = {backend.id: i for i, backend in enumerate(pool.backends)}
-    return lambda backend: int(cached[rows[backend.id]])
 
 
 class Http10Send:

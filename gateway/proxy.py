@@ -47,6 +47,7 @@ from scoring.types import LegLoad, Prediction
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 PredictionFor = Callable[[Sequence[BackendState]], Prediction | None]
+LoadOf = Callable[[BackendState, str, float], LegLoad]
 
 
 def _nothing() -> None:
@@ -55,6 +56,10 @@ def _nothing() -> None:
 
 def _unpriced(backends: Sequence[BackendState]) -> Prediction | None:
     return None
+
+
+def _unplanned(backend: BackendState, leg: str, kv_due_s: float) -> LegLoad:
+    return leg_load(leg, 0, 1, 0, kv_due_s)  # no plan, no estimate: the leg counts, its work is unknown
 
 
 # vLLM's NIXL connectors expect this block on the prefill leg (vllm-reference.md A1).
@@ -81,8 +86,8 @@ class Exchange:
     started: float
     route_header: bool
     upstream_body: bytes
-    prompt_tokens: int = 0  # the router's estimate (0 when the policy needs none)
-    cached: Callable[[BackendState], int] | None = None  # prompt tokens the index says a backend holds
+    # What a leg puts on a backend (`Decision.leg_load`: the plan's tokens, cache and predicted prefill).
+    load_of: LoadOf = _unplanned
     predicted: PredictionFor = _unpriced  # the plan's prediction, if it priced the backends that served
     measured: Callable[[], None] = _nothing  # a stream's times are in: teach the router (the handler's)
     served: list[BackendState] = field(default_factory=list)
@@ -98,12 +103,6 @@ class Exchange:
         """Give back every reservation this request took (the handler's `finally` calls it)."""
         for reservation in self.reservations:
             reservation.release()
-
-    def leg_load(self, backend: BackendState, leg: str, kv_due_s: float = math.nan) -> LegLoad:
-        """What a leg of this request puts on `backend` (leg: aggregated | prefill | decode; a planned
-        decode leg's KV due at `kv_due_s`), by the one rule the simulator uses too (scoring/load.py)."""
-        cached = self.cached(backend) if self.cached is not None and self.prompt_tokens else 0
-        return leg_load(leg, self.prompt_tokens, self.request.max_tokens or 1, cached, kv_due_s)
 
 
 @dataclass(slots=True)
@@ -225,7 +224,7 @@ class Proxy:
     def _reserve(
         self, ex: Exchange, backend: BackendState, leg: str, kv_due_s: float = math.nan
     ) -> Reservation:
-        reservation = self.registry.reserve(backend, ex.leg_load(backend, leg, kv_due_s))
+        reservation = self.registry.reserve(backend, ex.load_of(backend, leg, kv_due_s))
         ex.reservations.append(reservation)
         return reservation
 

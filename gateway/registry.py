@@ -114,15 +114,16 @@ class Reservation:
     release everything a request took without knowing which legs already gave their part back.
     """
 
-    __slots__ = ("_open", "_prefilling", "backend", "load")
+    __slots__ = ("_clock", "_open", "_prefilling", "backend", "load")
 
-    def __init__(self, backend: BackendState, load: LegLoad) -> None:
+    def __init__(self, backend: BackendState, load: LegLoad, clock: Callable[[], float]) -> None:
         self.backend = backend
         self.load = load
+        self._clock = clock  # the registry's, which `Candidates.now` is read from
         self._open = True
         self._prefilling = True
         backend.in_flight += 1
-        backend.reserved.add(load)
+        backend.reserved.add(load, clock())
 
     @property
     def open(self) -> bool:
@@ -132,14 +133,14 @@ class Reservation:
         """The backend's first byte (or the prefill leg's result) arrived: its prompt is computed."""
         if self._prefilling and self._open:
             self._prefilling = False
-            self.backend.reserved.prefill_done(self.load)
+            self.backend.reserved.prefill_done(self.load, self._clock())
 
     def release(self) -> None:
         if not self._open:
             return
         self._open = False
         self.backend.in_flight -= 1
-        self.backend.reserved.release(self.load, prefill_pending=self._prefilling)
+        self.backend.reserved.release(self.load, self._prefilling, self._clock())
 
 
 class ModelPool:
@@ -203,7 +204,10 @@ class ModelPool:
         reported = self._reported_rows()
         # The one load formula, as the simulator uses it; without `work`, its request counts alone.
         if work:
-            columns = load_columns(own[0], *reported[:2], *own[1:], seen=reported[3:])
+            head = np.fromiter(
+                chain.from_iterable([b.reserved.head() for b in self.backends]), dtype=float, count=3 * n
+            ).reshape(n, 3).T  # fmt: skip
+            columns = load_columns(own[0], *reported[:2], *own[1:], seen=reported[3:], head=head, now=now)
             rows_due, due_s = kv_due_columns([b.reserved.kv_due for b in self.backends], now)
             columns.update(kv_due_rows=rows_due, kv_due_s=due_s)
         else:
@@ -286,7 +290,7 @@ class Registry:
 
     def reserve(self, backend: BackendState, load: LegLoad) -> Reservation:
         """Hold `load` on `backend` until the reservation is released (see Reservation)."""
-        return Reservation(backend, load)
+        return Reservation(backend, load, self._clock)
 
     def available(self, backend: BackendState) -> bool:
         return backend.available(self._clock())

@@ -27,6 +27,7 @@ One formula in two halves, both vectorised over backends and used alike by the l
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from itertools import chain
 from typing import NamedTuple
@@ -53,9 +54,26 @@ class Reserved:
 
     One leg adds its prefill tokens until its prefill is done (`prefill_done`), and, when it decodes here
     (it holds context), one sequence and its context until it is released; a split's decode leg is due
-    (`kv_due`) until its prefill, on the prefiller, is done."""
+    (`kv_due`) until its prefill, on the prefiller, is done.
 
-    __slots__ = ("context_tokens", "decode_seqs", "kv_due", "prefill_seqs", "prefill_tokens")
+    The legs still to prefill are also kept in the order they were planned, which is the order vLLM
+    takes them in (first come, first served), so the first of them is the prompt in progress (`head`).
+    Its tokens are counted in full until its first token comes; a 13k-token prompt is then counted whole
+    for the two 8k-token steps it takes, and every prompt planned behind it was priced with a queue one
+    half-prompt too long on average (the CPX on the Mooncake trace: multi-chunk queues came to 0.65 of
+    their prediction). `load_columns` takes off the part of the head its own predicted prefill time
+    says is done since it reached the front (`head_since`: when it was planned to an idle queue, or when
+    the leg ahead of it was done)."""
+
+    __slots__ = (
+        "context_tokens",
+        "decode_seqs",
+        "head_since",
+        "kv_due",
+        "prefill_seqs",
+        "prefill_tokens",
+        "prefilling",
+    )
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
@@ -63,54 +81,99 @@ class Reserved:
         self.decode_seqs = 0
         self.context_tokens = 0
         self.kv_due: list[float] = []  # split decode legs still to start here: when their KV is due
+        self.prefilling: deque[LegLoad] = deque()  # legs still to prefill, first planned first
+        self.head_since = 0.0  # when the first of them reached the front (see above)
 
-    def add(self, leg: LegLoad) -> None:
+    def add(self, leg: LegLoad, now: float) -> None:
         self.prefill_tokens += leg.prefill_tokens
-        self.prefill_seqs += leg.prefill_tokens > 0
+        if leg.prefill_tokens > 0:
+            self.prefill_seqs += 1
+            if not self.prefilling:
+                self.head_since = now
+            self.prefilling.append(leg)
         if leg.context_tokens > 0:
             self.decode_seqs += 1
             self.context_tokens += leg.context_tokens
         if leg.awaits_kv:
             self.kv_due.append(leg.kv_due_s)
 
-    def prefill_done(self, leg: LegLoad) -> None:
+    def prefill_done(self, leg: LegLoad, now: float) -> None:
         """The leg's prompt is computed (for a split's decode leg: on its prefiller, so the leg is no
         longer due; it goes out to this backend and queues there in order)."""
         self.prefill_tokens -= leg.prefill_tokens
-        self.prefill_seqs -= leg.prefill_tokens > 0
+        if leg.prefill_tokens > 0:
+            self.prefill_seqs -= 1
+            self._leave_queue(leg, now)
         if leg.awaits_kv:
             self.kv_due.remove(leg.kv_due_s)
 
-    def release(self, leg: LegLoad, prefill_pending: bool) -> None:
+    def release(self, leg: LegLoad, prefill_pending: bool, now: float) -> None:
         """Take the leg off; `prefill_pending` when it ends before its prefill was done (a failure)."""
         if prefill_pending:
-            self.prefill_done(leg)
+            self.prefill_done(leg, now)
         if leg.context_tokens > 0:
             self.decode_seqs -= 1
             self.context_tokens -= leg.context_tokens
 
+    def head(self) -> tuple[float, float, float]:
+        """The prompt in progress as `load_columns` takes it: (its tokens, when it reached the front, its
+        predicted prefill seconds); no tokens when nothing is queued."""
+        if not self.prefilling:
+            return (0.0, 0.0, math.nan)
+        leg = self.prefilling[0]
+        return (float(leg.prefill_tokens), self.head_since, leg.prefill_s)
+
+    def _leave_queue(self, leg: LegLoad, now: float) -> None:
+        # By identity: two legs of one size are equal, and the one done is the one that leaves.
+        for j, queued in enumerate(self.prefilling):
+            if queued is leg:
+                del self.prefilling[j]
+                if j == 0:
+                    self.head_since = now  # the next one is at the front from now
+                return
+
 
 def leg_loads(
-    mode: Mode, prompt_tokens: int, max_tokens: int, cached_prefill: int, kv_due_s: float = math.nan
+    mode: Mode,
+    prompt_tokens: int,
+    max_tokens: int,
+    cached_prefill: int,
+    kv_due_s: float = math.nan,
+    prefill_s: float = math.nan,
 ) -> tuple[LegLoad, LegLoad | None]:
     """The `LegLoad` of each leg of a plan: (aggregated or prefill leg, decode leg or None).
 
-    `cached_prefill` is the prompt tokens the backend that prefills already holds. A prefill leg
-    generates one token and keeps no sequence; the decode leg of a split computes no prompt tokens (its KV
-    is transferred) but holds the whole prompt as context, and its KV is due at `kv_due_s`."""
+    `cached_prefill` is the prompt tokens the backend that prefills already holds, `prefill_s` the
+    seconds the plan predicts for that prefill (`planned_prefill_s`). A prefill leg generates one token
+    and keeps no sequence; the decode leg of a split computes no prompt tokens (its KV is transferred)
+    but holds the whole prompt as context, and its KV is due at `kv_due_s`."""
     uncached = max(prompt_tokens - cached_prefill, 0)
     if mode is Mode.PD:
-        return LegLoad(uncached, 1, 0), LegLoad(0, max_tokens, prompt_tokens, kv_due_s)
-    return LegLoad(uncached, max_tokens, prompt_tokens), None
+        return LegLoad(uncached, 1, 0, prefill_s=prefill_s), LegLoad(0, max_tokens, prompt_tokens, kv_due_s)
+    return LegLoad(uncached, max_tokens, prompt_tokens, prefill_s=prefill_s), None
 
 
 def leg_load(
-    leg: str, prompt_tokens: int, max_tokens: int, cached_prefill: int, kv_due_s: float = math.nan
+    leg: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    cached_prefill: int,
+    kv_due_s: float = math.nan,
+    prefill_s: float = math.nan,
 ) -> LegLoad:
     """The `LegLoad` of one leg of a request (leg: aggregated | prefill | decode), by `leg_loads`."""
     mode = Mode.AGGREGATED if leg == "aggregated" else Mode.PD
-    first, decode = leg_loads(mode, prompt_tokens, max_tokens, cached_prefill, kv_due_s)
+    first, decode = leg_loads(mode, prompt_tokens, max_tokens, cached_prefill, kv_due_s, prefill_s)
     return decode if leg == "decode" and decode is not None else first
+
+
+def planned_prefill_s(predicted: Prediction | None, leg: str, row: int) -> float:
+    """The prefill seconds `predicted` priced for `leg` (aggregated | prefill | decode) on backend `row`,
+    or NaN: a decode leg computes no prompt, and a leg served where the plan did not price it (a retry,
+    a fallback) was not priced there."""
+    if predicted is None or leg == "decode" or not predicted.rows or predicted.rows[0] != row:
+        return math.nan
+    return predicted.compute_s if (len(predicted.rows) == 1) == (leg == "aggregated") else math.nan
 
 
 def kv_due(predicted: Prediction | None, now: float) -> float:
@@ -142,11 +205,15 @@ def load_columns(
     context_tokens: np.ndarray,
     *,
     seen: np.ndarray | None = None,
+    head: np.ndarray | None = None,
+    now: float = 0.0,
 ) -> dict[str, np.ndarray]:
     """The load columns of `Candidates` from the gateway's accounting and vLLM's counts (see above).
 
     `seen` ([4, backends]): the gateway's own `in_flight`, `prefill_seqs`, `decode_seqs` and
-    `context_tokens` when vLLM's counts were reported (None: now, a fresh report)."""
+    `context_tokens` when vLLM's counts were reported (None: now, a fresh report). `head` ([3, backends],
+    `Reserved.head` of each): the prompt in progress, of which the share its predicted prefill seconds
+    since `head_since` say is done no longer counts as queued (None: nothing is taken off)."""
     if seen is None:
         seen = np.stack((in_flight, prefill_seqs, decode_seqs, context_tokens))
     # vLLM's counts beyond the gateway's own at the time of the report: other clients' requests.
@@ -157,9 +224,11 @@ def load_columns(
     mean_context = np.divide(
         context_tokens, decode_seqs, out=np.zeros_like(context_tokens), where=decode_seqs > 0
     )
-    # Prompts queued ahead: the reserved tokens, and others' waiting requests at the mean prompt length.
+    # Prompts queued ahead: the reserved tokens less the part of the prompt in progress already computed,
+    # and others' waiting requests at the mean prompt length.
     prompt_len = np.divide(prefill_tokens, prefill_seqs, out=mean_context.copy(), where=prefill_seqs > 0)
-    queued = prefill_tokens + other_waiting * prompt_len
+    done = head_progress(head, now) if head is not None else 0.0
+    queued = prefill_tokens - done + other_waiting * prompt_len
     others_context = other_running * mean_context
     return {
         "load": request_load(in_flight, running, waiting, in_flight_seen=seen[0]),
@@ -170,6 +239,16 @@ def load_columns(
         # What `context_tokens` was when vLLM's KV usage was reported (`WorkModel.context`).
         "context_when_reported": seen[3] + others_context,
     }
+
+
+def head_progress(head: np.ndarray, now: float) -> np.ndarray:
+    """The tokens of each backend's prompt in progress already computed at `now` (see `Reserved`): its
+    tokens times the time since it reached the front over its predicted prefill, at most all of them;
+    none where the prefill was not priced (`prefill_s` NaN)."""
+    tokens, since, seconds = head
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.clip((now - since) / seconds, 0.0, 1.0)
+    return np.asarray(np.where(seconds > 0.0, tokens * share, 0.0))
 
 
 def kv_due_columns(dues: Sequence[Sequence[float]], now: float) -> tuple[np.ndarray, np.ndarray]:

@@ -294,6 +294,9 @@ class LegLoad:
     # A split's decode leg: when its KV is due here (the prefill leg's predicted end, on the clock the
     # registry or simulator builds `Candidates` with); NaN for every other leg. See `Candidates.kv_due_s`.
     kv_due_s: float = math.nan
+    # The seconds its own prefill takes here as the plan priced it (`Prediction.compute_s`); NaN when no
+    # plan priced this backend for it. It dates the prefill in progress (`scoring.load.Reserved.head`).
+    prefill_s: float = math.nan
 
     @property
     def awaits_kv(self) -> bool:

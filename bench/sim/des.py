@@ -37,7 +37,7 @@ from bench.workloads import Prompt, WorkloadRequest, block_token_ids
 from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from scoring.catalog import Accelerator, ModelSpec
 from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time
-from scoring.load import Reserved, kv_due, kv_due_columns, leg_loads, load_columns
+from scoring.load import Reserved, kv_due, kv_due_columns, leg_loads, load_columns, planned_prefill_s
 from scoring.outcome import Measured, outcomes_of
 from scoring.types import (
     BackendSpec,
@@ -223,8 +223,9 @@ class Replay:
         # The fixed columns of Candidates once; the live ones per engine as it changes, then the load
         # formula over all of them (`scoring.load.load_columns`, as the registry does).
         self.base = Candidates.build(sim.specs, tuple(BackendStats() for _ in range(n)))
-        # in_flight, running, waiting, prefill tokens and seqs, decode seqs, context, kv_usage
-        self.stats = np.zeros((8, n))
+        # in_flight, running, waiting, prefill tokens and seqs, decode seqs, context, kv_usage, and the
+        # prompt in progress (`Reserved.head`: tokens, since, predicted seconds)
+        self.stats = np.zeros((11, n))
         self.dirty = set(range(n))
         self.records = [
             RequestRecord(w.request_id, w.arrival_s, w.prompt_len, w.max_tokens) for w in workload
@@ -321,10 +322,11 @@ class Replay:
             record.backend = self.sim.specs[decoder].id
             cached = int(candidates.cached_tokens[prefiller])
             due = kv_due(plan.predicted, t)
-            first, second = leg_loads(Mode.PD, w.prompt_len, w.max_tokens, cached, due)
+            prefill_s = planned_prefill_s(plan.predicted, "prefill", prefiller)
+            first, second = leg_loads(Mode.PD, w.prompt_len, w.max_tokens, cached, due, prefill_s)
             assert second is not None
-            self._reserve(decoder, w.request_id, second)  # taken at plan time, like the gateway
-            self._reserve(prefiller, w.request_id, first)
+            self._reserve(decoder, w.request_id, second, t)  # taken at plan time, like the gateway
+            self._reserve(prefiller, w.request_id, first, t)
             request = EngineRequest(
                 w.request_id, w.prompt_len, 1, hashes[self._bs(prefiller)], prefill_only=True
             )
@@ -337,29 +339,31 @@ class Replay:
         target = plan.aggregated[0]
         record.backend = self.sim.specs[target].id
         cached = int(candidates.cached_tokens[target])
-        self._reserve(target, w.request_id, leg_loads(Mode.AGGREGATED, w.prompt_len, w.max_tokens, cached)[0])
+        prefill_s = planned_prefill_s(plan.predicted, "aggregated", target)
+        leg = leg_loads(Mode.AGGREGATED, w.prompt_len, w.max_tokens, cached, prefill_s=prefill_s)[0]
+        self._reserve(target, w.request_id, leg, t)
         self._submit(
             target, i, EngineRequest(w.request_id, w.prompt_len, w.max_tokens, hashes[self._bs(target)]), t
         )
 
-    def _reserve(self, engine: int, request_id: str, leg: LegLoad) -> None:
+    def _reserve(self, engine: int, request_id: str, leg: LegLoad, t: float) -> None:
         self.in_flight[engine] += 1
-        self.reserved[engine].add(leg)
+        self.reserved[engine].add(leg, t)
         self.leg_load[(engine, request_id)] = leg
         self.dirty.add(engine)
 
-    def _prefill_done(self, engine: int, request_id: str) -> None:
+    def _prefill_done(self, engine: int, request_id: str, t: float) -> None:
         leg = self.leg_load.get((engine, request_id))
         if leg is not None and (leg.prefill_tokens or leg.awaits_kv):
-            self.reserved[engine].prefill_done(leg)
+            self.reserved[engine].prefill_done(leg, t)
             self.leg_load[(engine, request_id)] = LegLoad(0, leg.decode_tokens, leg.context_tokens)
             self.dirty.add(engine)
 
-    def _release(self, engine: int, request_id: str) -> None:
+    def _release(self, engine: int, request_id: str, t: float) -> None:
         leg = self.leg_load.pop((engine, request_id), None)
         if leg is not None:
             self.in_flight[engine] -= 1
-            self.reserved[engine].release(leg, prefill_pending=True)
+            self.reserved[engine].release(leg, prefill_pending=True, now=t)
             self.dirty.add(engine)
 
     def _hashes(self, i: int, w: WorkloadRequest) -> dict[int, list[int]]:
@@ -392,7 +396,7 @@ class Replay:
             capacity=base.capacity.copy(),
             kv_usage=stats[7].copy(),
             cached_tokens=cached,
-            **load_columns(*stats[:7]),
+            **load_columns(*stats[:7], head=stats[8:], now=now),
             kv_due_rows=due_rows,
             kv_due_s=due_s,
             now=now,
@@ -403,7 +407,7 @@ class Replay:
         kv_usage = 1.0 - e.pool.num_free / e.config.num_gpu_blocks
         return (
             self.in_flight[k], len(e.running), len(e.waiting), r.prefill_tokens, r.prefill_seqs,
-            r.decode_seqs, r.context_tokens, kv_usage,
+            r.decode_seqs, r.context_tokens, kv_usage, *r.head(),
         )  # fmt: skip
 
     def live_stats(self) -> tuple[BackendStats, ...]:
@@ -426,7 +430,7 @@ class Replay:
         try:
             self.sim.engines[engine].add_request(request)
         except ValueError as exc:
-            self._release(engine, request.request_id)
+            self._release(engine, request.request_id, t)
             self._fail(i, t, str(exc))
             return
         self.legs[(engine, request.request_id)] = i
@@ -496,14 +500,14 @@ class Replay:
             record.first_token_s = t
             if record.mode != Mode.PD:  # a decoder's pulled KV is not a cache hit
                 record.cached_tokens = event.num_cached_tokens
-            self._prefill_done(engine, rid)
+            self._prefill_done(engine, rid, t)
         record.output_tokens = event.num_output_tokens
         if event.finish_reason is not None:
             self._finish(engine, i, rid, t)
 
     def _start_decode_leg(self, prefiller: int, decoder: int, i: int, t: float) -> None:
         w = self.workload[i]
-        self._release(prefiller, w.request_id)
+        self._release(prefiller, w.request_id, t)
         del self.legs[(prefiller, w.request_id)]
         del self.pd_pending[w.request_id]
         bs = self._bs(decoder)
@@ -522,13 +526,13 @@ class Replay:
         request = EngineRequest(
             w.request_id, w.prompt_len, w.max_tokens, hashes, remote_kv_tokens=remote, kv_transfer_s=transfer
         )
-        self._prefill_done(decoder, w.request_id)  # its KV is computed: no longer due, it queues there now
+        self._prefill_done(decoder, w.request_id, t)  # its KV is computed: no longer due, it queues there now
         self._submit(decoder, i, request, t)  # reserved on the decoder when planned
 
     def _finish(self, engine: int, i: int, rid: str, t: float) -> None:
         record = self.records[i]
         record.finish_s = t
-        self._release(engine, rid)
+        self._release(engine, rid, t)
         del self.legs[(engine, rid)]
         router = self.sim.router
         if router.learns:

@@ -282,3 +282,48 @@ def test_backpressure_cooldown_zero_is_off():
     reg, _ = registry(Clock(), n=2, backpressure_cooldown_s=0)
     reg.record_backpressure(reg.backends["b0"])
     assert cooling(reg) == []
+
+
+def test_the_prompt_in_progress_counts_only_what_its_predicted_prefill_has_left():
+    """vLLM takes prompts first come, first served, so the first leg still to prefill is the prompt in
+    progress. The share of it that its predicted prefill seconds say is done since it reached the front
+    is no longer queued; the legs behind it count in full until they reach the front."""
+    clock = Clock()
+    reg, _ = registry(clock)
+    a = reg.backends["b0"]
+
+    def queued() -> float:
+        return float(reg.candidates(reg.pools["m"]).prefill_tokens[0])
+
+    first = reg.reserve(a, LegLoad(8000, 8, 8000, prefill_s=2.0))
+    clock.now += 0.5
+    second = reg.reserve(a, LegLoad(4000, 8, 4000, prefill_s=1.0))
+    clock.now += 0.5  # the first is half done
+    assert queued() == pytest.approx(4000 + 4000)
+    clock.now += 5.0  # past its predicted end: counted done; the second is not at the front yet
+    assert queued() == pytest.approx(4000)
+    first.prefill_done()
+    clock.now += 0.25  # the second has been at the front since the first was done
+    assert queued() == pytest.approx(3000)
+    first.release()
+    second.release()  # it failed before its prefill was done
+    assert queued() == 0
+    unpriced = reg.reserve(a, LegLoad(1000, 8, 1000))  # no plan priced it here: its progress is unknown
+    clock.now += 10.0
+    assert queued() == 1000
+    unpriced.release()
+
+
+def test_the_leg_that_leaves_the_queue_is_the_one_whose_prefill_is_done():
+    """Two legs of one size are equal; the one done out of order leaves, and the front keeps its time."""
+    clock = Clock()
+    reg, _ = registry(clock)
+    a = reg.backends["b0"]
+    front = reg.reserve(a, LegLoad(1000, 8, 1000, prefill_s=1.0))
+    behind = reg.reserve(a, LegLoad(1000, 8, 1000, prefill_s=1.0))
+    clock.now += 0.5
+    behind.prefill_done()  # e.g. served from cache: its first token came first
+    assert a.reserved.prefilling[0] is front.load
+    assert reg.candidates(reg.pools["m"]).prefill_tokens[0] == pytest.approx(500)
+    front.release()
+    assert not a.reserved.prefilling

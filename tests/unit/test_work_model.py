@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from scoring.catalog import load_catalog
 from scoring.cost import Hardware, causal_pairs, step_time
-from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel, load_columns
+from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel, leg_loads, load_columns, planned_prefill_s
+from scoring.types import Mode, Prediction
 
 CATALOG = load_catalog()
 R1 = CATALOG.model("deepseek-r1")
@@ -118,3 +121,24 @@ def test_kv_usage_counts_only_beyond_the_context_held_when_it_was_reported():
     held = 0.01 * work.kv_capacity  # what our own sequences held when vLLM reported 1 % in use
     assert work.context(0 * ONE, 0.01 * ONE, held)[0] == 0.0  # they have ended since: nothing is left
     assert work.context(0 * ONE, 0.01 * ONE, held / 2)[0] == pytest.approx(held[0] / 2)  # others' half
+
+
+def test_a_leg_carries_the_prefill_seconds_its_plan_priced_on_its_backend():
+    """`planned_prefill_s`: the plan's own prefill seconds for the leg that prefills where it was priced;
+    NaN for a decode leg, a leg on another backend (a retry, a fallback), or a leg of the other shape."""
+    split = Prediction(compute_s=0.4, rows=(2, 5))
+    whole = Prediction(compute_s=0.3, rows=(1,))
+    assert planned_prefill_s(split, "prefill", 2) == 0.4
+    assert planned_prefill_s(whole, "aggregated", 1) == 0.3
+    for predicted, leg, row in [
+        (split, "decode", 5),
+        (split, "prefill", 5),
+        (split, "aggregated", 2),  # a split's fallback to one backend
+        (whole, "aggregated", 0),
+        (whole, "prefill", 1),
+        (None, "aggregated", 1),
+    ]:
+        assert math.isnan(planned_prefill_s(predicted, leg, row)), (predicted, leg, row)
+    first, second = leg_loads(Mode.PD, 1000, 8, 200, kv_due_s=3.0, prefill_s=0.4)
+    assert (first.prefill_tokens, first.prefill_s) == (800, 0.4)
+    assert second is not None and math.isnan(second.prefill_s)  # the decode leg computes no prompt
