@@ -188,26 +188,23 @@ class ModelPool:
         `Ranker.uses_work`) only the request counts are computed and the work columns are zero."""
         n = len(self.backends)
         # One flat iterator into one array (np.array of 64 tuples spent ~20 us discovering their shape):
-        # the gateway's own five inputs of the load formula.
+        # the gateway's own five inputs of the load formula, then the prompt in progress (`Reserved`).
         own = np.fromiter(
             chain.from_iterable(
                 [
                     (b.in_flight + b.remote_in_flight, r.prefill_tokens, r.prefill_seqs, r.decode_seqs,
-                     r.context_tokens)
+                     r.context_tokens, r.head_tokens, r.head_since, r.head_s)
                     for b in self.backends
                     for r in (b.reserved,)
                 ]
             ),
             dtype=float,
-            count=5 * n,
-        ).reshape(n, 5).T.copy()  # fmt: skip
+            count=8 * n,
+        ).reshape(n, 8).T.copy()  # fmt: skip
         reported = self._reported_rows()
         # The one load formula, as the simulator uses it; without `work`, its request counts alone.
         if work:
-            head = np.fromiter(
-                chain.from_iterable([b.reserved.head() for b in self.backends]), dtype=float, count=3 * n
-            ).reshape(n, 3).T  # fmt: skip
-            columns = load_columns(own[0], *reported[:2], *own[1:], seen=reported[3:], head=head, now=now)
+            columns = load_columns(own[0], *reported[:2], *own[1:5], seen=reported[3:], head=own[5:], now=now)
             rows_due, due_s = kv_due_columns([b.reserved.kv_due for b in self.backends], now)
             columns.update(kv_due_rows=rows_due, kv_due_s=due_s)
         else:

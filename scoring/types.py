@@ -295,7 +295,7 @@ class LegLoad:
     # registry or simulator builds `Candidates` with); NaN for every other leg. See `Candidates.kv_due_s`.
     kv_due_s: float = math.nan
     # The seconds its own prefill takes here as the plan priced it (`Prediction.compute_s`); NaN when no
-    # plan priced this backend for it. It dates the prefill in progress (`scoring.load.Reserved.head`).
+    # plan priced this backend for it. It dates the prefill in progress (`scoring.load.Reserved.head_tokens`).
     prefill_s: float = math.nan
 
     @property

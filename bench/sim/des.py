@@ -224,7 +224,7 @@ class Replay:
         # formula over all of them (`scoring.load.load_columns`, as the registry does).
         self.base = Candidates.build(sim.specs, tuple(BackendStats() for _ in range(n)))
         # in_flight, running, waiting, prefill tokens and seqs, decode seqs, context, kv_usage, and the
-        # prompt in progress (`Reserved.head`: tokens, since, predicted seconds)
+        # prompt in progress (`Reserved`: head tokens, since, predicted seconds)
         self.stats = np.zeros((11, n))
         self.dirty = set(range(n))
         self.records = [
@@ -407,7 +407,7 @@ class Replay:
         kv_usage = 1.0 - e.pool.num_free / e.config.num_gpu_blocks
         return (
             self.in_flight[k], len(e.running), len(e.waiting), r.prefill_tokens, r.prefill_seqs,
-            r.decode_seqs, r.context_tokens, kv_usage, *r.head(),
+            r.decode_seqs, r.context_tokens, kv_usage, r.head_tokens, r.head_since, r.head_s,
         )  # fmt: skip
 
     def live_stats(self) -> tuple[BackendStats, ...]:

@@ -95,7 +95,7 @@ def test_a_queue_of_long_prompts_is_priced_as_the_part_still_to_compute():
     meets only its remaining part; counted whole until its first token, the CPX's queues of such prompts
     came to 0.66 of their prediction (median measured over predicted TTFT of the prefills whose queue
     was over twice their own prefill; the H100s' 0.76 and 0.85). With the prompt in progress dated by its
-    predicted prefill (`Reserved.head`): 0.83, 1.02 and 1.05. Every backend within 20 %."""
+    predicted prefill (`Reserved.head_s`): 0.83, 1.02 and 1.05. Every backend within 20 %."""
     sc = build_scenario("mooncake@cpx", 1000)
     cluster = cluster_named(sc.cluster)
     assert cluster.efficiency == DEFAULT_EFFICIENCY  # the roofline is the truth here

@@ -323,7 +323,7 @@ def test_the_leg_that_leaves_the_queue_is_the_one_whose_prefill_is_done():
     behind = reg.reserve(a, LegLoad(1000, 8, 1000, prefill_s=1.0))
     clock.now += 0.5
     behind.prefill_done()  # e.g. served from cache: its first token came first
-    assert a.reserved.prefilling[0] is front.load
+    assert a.reserved.prefilling[0] is front.load and a.reserved.head_since == clock.now - 0.5
     assert reg.candidates(reg.pools["m"]).prefill_tokens[0] == pytest.approx(500)
     front.release()
     assert not a.reserved.prefilling
