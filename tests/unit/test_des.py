@@ -220,3 +220,31 @@ def test_pd_removes_prefill_interference_from_decode_steps() -> None:
     split = Simulation(MODEL, backends(prefill, decode), build_router("least_load", "always")).run(requests)
     assert split.summary()["completed"] == colocated.summary()["completed"] == 40
     assert mean_tpot(split) < 0.75 * mean_tpot(colocated)  # measured: ~0.6
+
+
+def test_the_prompt_in_progress_is_counted_by_what_its_plan_predicted_is_left() -> None:
+    """The DES keeps the gateway's prefill queue per engine (`Reserved`): legs in plan order, the first
+    one dated by its plan's predicted prefill. Every plan sees each engine's reserved prompt tokens less
+    the share of the first that its prediction says is done; every leg leaves the queue by the end."""
+    credited = []
+
+    class Checker(Spy):
+        def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
+            now = candidates.now
+            for k, reserved in enumerate(replay.reserved):
+                if not reserved.prefilling:
+                    assert candidates.prefill_tokens[k] == 0
+                    continue
+                head = reserved.prefilling[0]
+                assert head.prefill_s > 0 and reserved.head_tokens == head.prefill_tokens
+                share = min(max(now - reserved.head_since, 0.0) / head.prefill_s, 1.0)
+                want = reserved.prefill_tokens - share * head.prefill_tokens
+                assert candidates.prefill_tokens[k] == pytest.approx(want)
+                credited.append(share)
+            return super().plan(request, candidates)
+
+    sim = Simulation(MODEL, backends(BOTH, BOTH), Checker(build_router("cost", "never", model=MODEL)))
+    replay = sim.replay(w.with_poisson_arrivals(w.fixed_lengths(40, 12000, 16), rate=30.0))
+    assert replay.execute().summary()["completed"] == 40
+    assert len(credited) > 20 and 0 < np.median(credited) < 1  # prompts in progress, partly done
+    assert all(not r.prefilling and r.prefill_tokens == 0 and r.head_tokens == 0 for r in replay.reserved)
