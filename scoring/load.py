@@ -250,12 +250,19 @@ def load_columns(
     }
 
 
-def head_progress(head: np.ndarray, now: float) -> np.ndarray:
-    """The tokens of each backend's prompt in progress already computed at `now` (see `Reserved`): its
-    tokens times the time since it reached the front over its predicted prefill, at most all of them
-    (none where the prefill was not priced: `head_s` is infinite)."""
+def head_progress(head: np.ndarray, now: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> np.ndarray:
+    """The tokens of each backend's prompt in progress already computed at `now` (see `Reserved`): for
+    a prompt longer than one step's token budget, its tokens times the time since it reached the front
+    over its predicted prefill, at most all of them; none for a shorter one, or where the prefill was
+    not priced (`head_s` is infinite).
+
+    A prompt that fits in one step is done when that step ends, together with the prompts batched with
+    it, so the step's time is theirs as much as its own: credited by its own predicted seconds, the
+    CPX's queues of short conversation prompts (Azure) looked shorter than they were (measured over
+    predicted TTFT 1.26 -> 1.39). A longer one takes steps of its own, one chunk each."""
     tokens, since, seconds = head
-    return np.asarray(tokens * np.minimum(np.maximum(now - since, 0.0) / seconds, 1.0))
+    share = np.minimum(np.maximum(now - since, 0.0) / seconds, 1.0)
+    return np.asarray(np.where(tokens > chunk_tokens, tokens * share, 0.0))
 
 
 def kv_due_columns(dues: Sequence[Sequence[float]], now: float) -> tuple[np.ndarray, np.ndarray]:

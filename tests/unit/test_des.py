@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from bench import workloads as w
 from bench.sim.des import PromptHasher, Simulation, make_backends
 from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from scoring.catalog import load_catalog
+from scoring.load import DEFAULT_CHUNK_TOKENS
 from scoring.router import build_router
 from scoring.types import Candidates, Mode, Outcome, RequestFeatures, Role, RoutePlan
 
@@ -238,13 +240,15 @@ def test_the_prompt_in_progress_is_counted_by_what_its_plan_predicted_is_left() 
                 head = reserved.prefilling[0]
                 assert head.prefill_s > 0 and reserved.head_tokens == head.prefill_tokens
                 share = min(max(now - reserved.head_since, 0.0) / head.prefill_s, 1.0)
-                want = reserved.prefill_tokens - share * head.prefill_tokens
+                long = head.prefill_tokens > DEFAULT_CHUNK_TOKENS  # a shorter one is done with its step
+                want = reserved.prefill_tokens - share * head.prefill_tokens * long
                 assert candidates.prefill_tokens[k] == pytest.approx(want)
                 credited.append(share)
             return super().plan(request, candidates)
 
     sim = Simulation(MODEL, backends(BOTH, BOTH), Checker(build_router("cost", "never", model=MODEL)))
-    replay = sim.replay(w.with_poisson_arrivals(w.fixed_lengths(40, 12000, 16), rate=30.0))
+    prompts = w.fixed_lengths(20, 12000, 16, "long") + w.fixed_lengths(20, 3000, 16, "short")
+    replay = sim.replay(w.with_poisson_arrivals(random.Random(1).sample(prompts, 40), rate=30.0))
     assert replay.execute().summary()["completed"] == 40
     assert len(credited) > 20 and 0 < np.median(credited) < 1  # prompts in progress, partly done
     assert all(not r.prefilling and r.prefill_tokens == 0 and r.head_tokens == 0 for r in replay.reserved)

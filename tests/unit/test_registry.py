@@ -286,8 +286,9 @@ def test_backpressure_cooldown_zero_is_off():
 
 def test_the_prompt_in_progress_counts_only_what_its_predicted_prefill_has_left():
     """vLLM takes prompts first come, first served, so the first leg still to prefill is the prompt in
-    progress. The share of it that its predicted prefill seconds say is done since it reached the front
-    is no longer queued; the legs behind it count in full until they reach the front."""
+    progress. When it is longer than one step's budget (8,192 tokens), the share of it that its predicted
+    prefill seconds say is done since it reached the front is no longer queued; the legs behind it count
+    in full until they reach the front. One that fits in a step is done when the step ends: no share."""
     clock = Clock()
     reg, _ = registry(clock)
     a = reg.backends["b0"]
@@ -295,22 +296,25 @@ def test_the_prompt_in_progress_counts_only_what_its_predicted_prefill_has_left(
     def queued() -> float:
         return float(reg.candidates(reg.pools["m"]).prefill_tokens[0])
 
-    first = reg.reserve(a, LegLoad(8000, 8, 8000, prefill_s=2.0))
+    first = reg.reserve(a, LegLoad(16000, 8, 16000, prefill_s=2.0))
     clock.now += 0.5
-    second = reg.reserve(a, LegLoad(4000, 8, 4000, prefill_s=1.0))
+    second = reg.reserve(a, LegLoad(12000, 8, 12000, prefill_s=1.0))
     clock.now += 0.5  # the first is half done
-    assert queued() == pytest.approx(4000 + 4000)
+    assert queued() == pytest.approx(8000 + 12000)
     clock.now += 5.0  # past its predicted end: counted done; the second is not at the front yet
-    assert queued() == pytest.approx(4000)
+    assert queued() == pytest.approx(12000)
     first.prefill_done()
     clock.now += 0.25  # the second has been at the front since the first was done
-    assert queued() == pytest.approx(3000)
+    assert queued() == pytest.approx(9000)
     first.release()
     second.release()  # it failed before its prefill was done
     assert queued() == 0
-    unpriced = reg.reserve(a, LegLoad(1000, 8, 1000))  # no plan priced it here: its progress is unknown
-    clock.now += 10.0
-    assert queued() == 1000
+    short = reg.reserve(a, LegLoad(4000, 8, 4000, prefill_s=1.0))  # one step's worth: done with the step
+    unpriced = reg.reserve(b := reg.backends["b1"], LegLoad(16000, 8, 16000))  # its progress is unknown
+    clock.now += 0.5
+    assert queued() == 4000 and reg.candidates(reg.pools["m"]).prefill_tokens[1] == 16000
+    assert b.reserved.head_tokens == 16000
+    short.release()
     unpriced.release()
 
 
@@ -319,11 +323,11 @@ def test_the_leg_that_leaves_the_queue_is_the_one_whose_prefill_is_done():
     clock = Clock()
     reg, _ = registry(clock)
     a = reg.backends["b0"]
-    front = reg.reserve(a, LegLoad(1000, 8, 1000, prefill_s=1.0))
-    behind = reg.reserve(a, LegLoad(1000, 8, 1000, prefill_s=1.0))
+    front = reg.reserve(a, LegLoad(10000, 8, 10000, prefill_s=1.0))
+    behind = reg.reserve(a, LegLoad(10000, 8, 10000, prefill_s=1.0))
     clock.now += 0.5
     behind.prefill_done()  # e.g. served from cache: its first token came first
     assert a.reserved.prefilling[0] is front.load and a.reserved.head_since == clock.now - 0.5
-    assert reg.candidates(reg.pools["m"]).prefill_tokens[0] == pytest.approx(500)
+    assert reg.candidates(reg.pools["m"]).prefill_tokens[0] == pytest.approx(5000)
     front.release()
     assert not a.reserved.prefilling
