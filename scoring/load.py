@@ -57,15 +57,15 @@ class Reserved:
     (`kv_due`) until its prefill, on the prefiller, is done.
 
     The legs still to prefill are also kept in the order they were planned, which is the order vLLM
-    takes them in (first come, first served), so the first of them is the prompt in progress (`head`).
-    Its tokens are counted in full until its first token comes; a 13k-token prompt is then counted whole
-    for the two 8k-token steps it takes, and every prompt planned behind it was priced with a queue one
-    half-prompt too long on average (the CPX on the Mooncake trace: multi-chunk queues came to 0.65 of
-    their prediction). `load_columns` takes off the part of the head its own predicted prefill time
+    takes them in (first come, first served), so the first of them is the prompt in progress (the
+    head). Counted in full until its first token, a 13k-token prompt weighed whole for the two 8k-token
+    steps it takes, and every prompt planned behind it was priced with a queue half a prompt too long on
+    average (the CPX on the Mooncake trace: multi-chunk queues came to 0.66 of their prediction).
+    `load_columns` takes off the part of a head longer than one step that its own predicted prefill time
     says is done since it reached the front (`head_since`: when it was planned to an idle queue, or when
-    the leg ahead of it was done). The head is kept as three attributes, `head_tokens`, `head_since` and
-    `head_s`, which the registry reads for every backend on every request (a method call per backend
-    cost ~10 us on 64)."""
+    the leg ahead of it was done; see `head_progress`). The head is kept as three attributes,
+    `head_tokens`, `head_since` and `head_s`, which the registry reads for every backend on every
+    request (a method call per backend cost ~10 us on 64)."""
 
     __slots__ = (
         "context_tokens",
