@@ -10,13 +10,15 @@ prompts it prefills (the MI308X servers mostly short ones: the long ones are spl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from bench.policies import build_scenario, cluster_named, make_router, scenario_bound
 from bench.sim.des import Simulation
 from scoring.cost import DEFAULT_EFFICIENCY, prefill_time
-from scoring.types import Leg, Outcome
+from scoring.types import Leg, Outcome, Prediction
 
 
 @pytest.mark.parametrize(
@@ -56,26 +58,22 @@ def test_learnt_compute_corrections_approach_the_truth(
         assert low * (1 - tolerance) <= learnt <= high * (1 + tolerance), (backend_id, learnt, low, high)
 
 
-@pytest.mark.parametrize(
-    ("scenario", "requests", "load"),
-    [("sysprompt@nvidia", 2000, 0.8), ("bursty@nvidia", 1000, 0.5)],
-)
-def test_the_queue_a_prefill_is_priced_with_is_the_queue_it_meets(scenario: str, requests: int, load: float):
-    """At the simulator's own efficiency (the roofline's, on this cluster), a prefill's time to first
-    token is its roofline prediction: the queue ahead, its own prefill, and the prompts that joined its
-    step after it was planned (`Joined`). Median measured over predicted, per backend, within 10 %.
-    With a step taken as joinable until its prompts' first tokens, the B200 read 0.70 on shared system
-    prompts (its queue looked 1.4x what it was), and calibration took the rest for slowness."""
+def ttft_over_predicted(
+    scenario: str, requests: int, load: float, policy: str, counts: Callable[[Prediction, Leg], bool]
+) -> dict[str, float]:
+    """Per backend, the median of measured over roofline-predicted TTFT (queue, own prefill, and the
+    prompts that joined its step after it was planned: `Joined`) of the prefills `counts` keeps, at
+    `load` times the fluid bound. The scenario's cluster runs at the roofline's own efficiency."""
     sc = build_scenario(scenario, requests)
     cluster = cluster_named(sc.cluster)
     assert cluster.efficiency == DEFAULT_EFFICIENCY  # the roofline is the truth here
-    router = make_router(cluster, "cost/never")
+    router = make_router(cluster, policy)
     ratios: dict[str, list[float]] = {}
     ranker_observe = router.observe
 
     def observe(outcome: Outcome) -> None:
         p = outcome.predicted
-        if p is not None and outcome.leg is Leg.AGGREGATED:
+        if p is not None and counts(p, outcome.leg):
             joined = p.joined.seconds if p.joined is not None else 0.0
             predicted = p.roofline_compute_s + p.roofline_queue_s + joined
             ratios.setdefault(outcome.backend_id, []).append(outcome.ttft_s / predicted)
@@ -87,34 +85,31 @@ def test_the_queue_a_prefill_is_priced_with_is_the_queue_it_meets(scenario: str,
     )
     medians = {b: float(np.median(r)) for b, r in ratios.items()}
     assert set(medians) == set(cluster.ids)
-    assert all(0.9 <= m <= 1.1 for m in medians.values()), medians
+    return medians
+
+
+@pytest.mark.parametrize(
+    ("scenario", "requests", "load"),
+    [("sysprompt@nvidia", 2000, 0.8), ("bursty@nvidia", 1000, 0.5)],
+)
+def test_the_queue_a_prefill_is_priced_with_is_the_queue_it_meets(scenario: str, requests: int, load: float):
+    """At the simulator's own efficiency, a whole request's time to first token is its roofline
+    prediction: median measured over predicted, per backend, within 10 %. With a step taken as joinable
+    until its prompts' first tokens, the B200 read 0.70 on shared system prompts (its queue looked 1.4x
+    what it was), and calibration took the rest for slowness."""
+    whole = ttft_over_predicted(scenario, requests, load, "cost/never", lambda p, leg: leg is Leg.AGGREGATED)
+    assert all(0.9 <= m <= 1.1 for m in whole.values()), whole
 
 
 def test_a_queue_of_long_prompts_is_priced_as_the_part_still_to_compute():
-    """Mooncake's 13k-token prompts take two 8k-token steps each. A prompt queued behind one in progress
-    meets only its remaining part; counted whole until its first token, the CPX's queues of such prompts
-    came to 0.66 of their prediction (median measured over predicted TTFT of the prefills whose queue
-    was over twice their own prefill; the H100s' 0.76 and 0.85). With the prompt in progress dated by its
-    predicted prefill (`Reserved.head_s`): 0.83, 1.02 and 1.05. Every backend within 20 %."""
-    sc = build_scenario("mooncake@cpx", 1000)
-    cluster = cluster_named(sc.cluster)
-    assert cluster.efficiency == DEFAULT_EFFICIENCY  # the roofline is the truth here
-    router = make_router(cluster, "cost/auto")
-    ratios: dict[str, list[float]] = {}
-    ranker_observe = router.observe
+    """Mooncake's prompts take two 8k-token steps each. A prompt queued behind one in progress meets
+    only its remaining part; counted whole until its first token, the CPX's queues of such prompts came
+    to 0.66 of their prediction (median measured over predicted TTFT of the prefills whose queue was
+    over twice their own prefill; the H100s' 0.85 and 0.76). With the prompt in progress dated by its
+    predicted prefill (`Reserved.head_s`): 0.83, 1.00 and 1.09. Every backend within 20 %."""
 
-    def observe(outcome: Outcome) -> None:
-        p = outcome.predicted
-        if p is not None and outcome.leg is not Leg.DECODE and p.roofline_queue_s > 2 * p.roofline_compute_s:
-            joined = p.joined.seconds if p.joined is not None else 0.0
-            predicted = p.roofline_compute_s + p.roofline_queue_s + joined
-            ratios.setdefault(outcome.backend_id, []).append(outcome.ttft_s / predicted)
-        ranker_observe(outcome)
+    def queue_bound(p: Prediction, leg: Leg) -> bool:
+        return leg is not Leg.DECODE and p.roofline_queue_s > 2 * p.roofline_compute_s
 
-    router.observe = observe
-    Simulation(cluster.model, cluster.backends, router, cluster.efficiency).run(
-        sc.at_rate(0.5 * scenario_bound(sc).requests_per_s)
-    )
-    medians = {b: float(np.median(r)) for b, r in ratios.items()}
-    assert set(medians) == set(cluster.ids)
+    medians = ttft_over_predicted("mooncake@cpx", 1000, 0.5, "cost/auto", queue_bound)
     assert all(0.8 <= m <= 1.2 for m in medians.values()), medians
