@@ -75,7 +75,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         await index.record(MODEL, BLOCK, hashes[: len(hashes) * (i % 8 + 1) // 8], backend_id)
     for i, backend in enumerate(pool.backends):  # some work reserved on every backend
         for _ in range(i % 4):
-            # priced, as `cost` plans them: the prompt in progress is dated by its prefill seconds
+            # priced, as `cost` plans them (8,000 tokens fit in a step: no progress is credited)
             registry.reserve(backend, leg_loads(Mode.AGGREGATED, 8000, 256, 0, prefill_s=0.5)[0])
         if i % 4 == 1:  # and split decode legs due on a quarter of them (priced by `cost`)
             registry.reserve(backend, leg_load("decode", 8000, 256, 0, kv_due_s=registry.now()))
