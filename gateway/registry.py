@@ -193,14 +193,15 @@ class ModelPool:
             chain.from_iterable(
                 [
                     (b.in_flight + b.remote_in_flight, r.prefill_tokens, r.prefill_seqs, r.decode_seqs,
-                     r.context_tokens, r.head_tokens, r.head_since, r.head_s)
+                     r.context_tokens, r.head_tokens, r.head_since, r.head_s, r.step_tokens,
+                     r.step_behind)
                     for b in self.backends
                     for r in (b.reserved,)
                 ]
             ),
             dtype=float,
-            count=8 * n,
-        ).reshape(n, 8).T.copy()  # fmt: skip
+            count=10 * n,
+        ).reshape(n, 10).T.copy()  # fmt: skip
         reported = self._reported_rows()
         # The one load formula, as the simulator uses it; without `work`, its request counts alone.
         if work:
@@ -225,7 +226,8 @@ class ModelPool:
 def _counts_only(in_flight: np.ndarray, reported: np.ndarray) -> dict[str, np.ndarray]:
     """`load_columns` for routers that read only `load` (see ModelPool.candidates)."""
     zero = np.zeros(len(in_flight))
-    zeros = ("prefill_len", "decode_seqs", "context_tokens", "context_when_reported")
+    zeros = ("prefill_len", "decode_seqs", "context_tokens", "context_when_reported", "step_tokens",
+             "step_elapsed", "step_behind")  # fmt: skip
     return {"load": request_load(in_flight, *reported[:2], in_flight_seen=reported[3]),
             "prefill_tokens": zero, **{name: zero.copy() for name in zeros}}  # fmt: skip
 

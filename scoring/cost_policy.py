@@ -158,6 +158,7 @@ class _Priced:
     seqs: np.ndarray  # sequences decoding
     delay: np.ndarray  # how much later the queued prompts that share this prefill's step finish, in all
     opens: np.ndarray  # seconds until the step a new prefill joins starts (later prompts may join it)
+    waiting: np.ndarray  # prompt tokens queued behind the step in progress (`Steps.waiting`)
 
 
 class CostRanker(SimpleRanker):
@@ -213,15 +214,21 @@ class CostRanker(SimpleRanker):
         cached = np.minimum(c.cached_tokens, max(prompt - 1, 0))  # vLLM recomputes the last token
         new = prompt - cached
         own = prompt + out / 2.0
-        s = work.steps(new, cached, own, seqs, context, c.prefill_tokens, c.prefill_len)
+        # The step in progress began `step_elapsed` seconds ago on the clock: 1/k of that in the
+        # roofline's seconds, which the compute correction k scales to the clock's.
+        elapsed = c.step_elapsed / k
+        queued = (c.prefill_tokens, c.prefill_len, c.step_tokens, elapsed, c.step_behind)
+        s = work.steps(new, cached, own, seqs, context, *queued)
         base, step = s.base, s.step
         queue = k * s.wait
-        # A request that arrives mid-step waits for that step to end: half of one on average. Counted
-        # for every plan alike, since a split's decode leg waits for step boundaries too (below):
-        # counted for splits alone, it made them look slower than serving whole (bursts on B200 + 2x
-        # H100, `auto`: 17 -> 3.6 requests/s of SLO capacity).
-        wait = queue + 0.5 * base
-        roofline_wait = s.wait + 0.5 * base  # what calibration fits its queue factor on
+        # A request that arrives mid-step waits for that step to end (`s.mid_step`: half a decode step
+        # on average where no prefill step is known to be in progress; `s.wait` has what is left of one
+        # that is). Counted for every plan alike, since a split's decode leg waits for step boundaries
+        # too (below): counted for splits alone, it made them look slower than serving whole (bursts on
+        # B200 + 2x H100, `auto`: 17 -> 3.6 requests/s of SLO capacity).
+        mid_step = s.mid_step
+        wait = queue + mid_step
+        roofline_wait = s.wait + mid_step  # what calibration fits its queue factor on
         compute = k * s.prefill
         # The marginal decode step. A backend's first sequence pays the step's fixed part (weights read,
         # overhead) unless `idle_is_free`: see `choose`.
@@ -231,20 +238,19 @@ class CostRanker(SimpleRanker):
         tpot = step + queue / out
         # A split's decode leg joins the waiting queue behind that prefill (vLLM admits waiting requests
         # first come, first served, while a step's token budget lasts), so it is admitted in the step of
-        # the queue's last chunk; then its KV is pulled, it waits for the next step boundary and runs
-        # one step: about two steps besides the queue and the transfer. Priced as one step after one
-        # chunk, the pair corrections learnt the rest as transfer time (10x, their clip, on the AMD
+        # that prefill's last chunk; then its KV is pulled, it waits for the next step boundary and runs
+        # one step: about two steps besides the steps ahead and the transfer. Priced as one step after
+        # one chunk, the pair corrections learnt the rest as transfer time (10x, their clip, on the AMD
         # seed cluster's conversations).
-        chunk_share = np.minimum(1.0, self.chunk_tokens / np.maximum(c.prefill_tokens, 1.0))
-        ahead = queue * (1.0 - chunk_share)  # the queue's full chunks: steps of their own
+        ahead = k * s.ahead
         first_step = 2.0 * step + ahead
-        # The step a new prefill joins starts when the step in progress ends (half of one on average)
-        # and the full chunks ahead have run; until then later prompts may join it (`_join`).
-        opens = 0.5 * base + ahead
+        # The step a new prefill joins starts when the steps ahead of it have run; until then later
+        # prompts may join it (`_join`).
+        opens = mid_step + ahead
         kv_ok = context + prompt + out <= cl.kv_limit
         stall = k * s.stall
         ttft = wait + compute
-        delay = compute * _cobatched(c.prefill_tokens, c.prefill_len, new, self.chunk_tokens)
+        delay = compute * _cobatched(s.waiting, c.prefill_len, new, self.chunk_tokens)
         if c.kv_due_rows.size:
             delay = delay + _held_up(c.kv_due_rows, c.kv_due_s, ttft, compute)
         price = cl.price
@@ -266,6 +272,7 @@ class CostRanker(SimpleRanker):
             seqs,
             delay,
             opens,
+            s.waiting,
         )
 
     @staticmethod
@@ -370,16 +377,16 @@ class CostRanker(SimpleRanker):
         )  # fmt: skip
         if pair is None:
             reason = "never" if split.disaggregation is Disaggregation.NEVER else "no_split"
-            return self._route(request, c, (Mode.AGGREGATED, aggregated, (), (), reason), agg_pred, p.opens)
+            return self._route(request, c, (Mode.AGGREGATED, aggregated, (), (), reason), agg_pred, p)
         prefills, decodes, pair_pred, pair_key = pair
         # `auto` weighs the split against serving whole where some backend has both roles.
         if split.disaggregation is Disaggregation.AUTO and (healthy & c.can_prefill & c.can_decode).any():
             agg_rank = (not bool(agg_ok[best_agg]), agg_cost[best_agg], float(agg_finish[best_agg]))
             if not _pair_wins(pair_key, agg_rank, self.cost_tolerance):
                 return self._route(
-                    request, c, (Mode.AGGREGATED, aggregated, (), (), "split_costlier"), agg_pred, p.opens
+                    request, c, (Mode.AGGREGATED, aggregated, (), (), "split_costlier"), agg_pred, p
                 )
-        return self._route(request, c, (Mode.PD, aggregated, prefills, decodes, "split"), pair_pred, p.opens)
+        return self._route(request, c, (Mode.PD, aggregated, prefills, decodes, "split"), pair_pred, p)
 
     def _route(
         self,
@@ -387,25 +394,26 @@ class CostRanker(SimpleRanker):
         c: Candidates,
         plan: tuple[Mode, tuple[int, ...], tuple[int, ...], tuple[int, ...], str],
         predicted: _Predicted,
-        opens: np.ndarray,
+        p: _Priced,
     ) -> RoutePlan:
         """The plan (mode, aggregated, prefill, decode, reason) with its `Prediction` (the fields in
-        order, less `joined`), its prefill booked on its backend (`_join`; `opens`: `_Priced.opens`).
+        order, less `joined`), its prefill booked on its backend (`_join`, by `p`'s queue there).
         Built once: rebuilt by `dataclasses.replace`, it cost more than the rest of the plan's
         bookkeeping."""
         mode, aggregated, prefill, decode, reason = plan
         row = prefill[0] if mode is Mode.PD else aggregated[0]
-        joined = self._join(request, c, row, predicted[7], float(opens[row]))
+        joined = self._join(request, c, row, predicted[7], (float(p.opens[row]), float(p.waiting[row])))
         return RoutePlan(mode, aggregated, prefill, decode, reason, Prediction(*predicted, joined=joined))
 
     def _join(
-        self, request: RequestFeatures, c: Candidates, row: int, compute_s: float, opens_s: float
+        self, request: RequestFeatures, c: Candidates, row: int, compute_s: float, queue: tuple[float, float]
     ) -> Joined:
-        """Book a planned prefill on its backend (roofline `compute_s` as predicted): it joins the
-        step of the prompts in the queue's last, partly filled chunk (the most recently planned there,
-        as vLLM admits them in order) if that step has not started, and lengthens it by its own share
-        of it; then it waits for later ones to join its own until that starts (`opens_s` from now; at
-        once on an idle backend).
+        """Book a planned prefill on its backend (roofline `compute_s` as predicted; `queue`: seconds
+        until its step opens, and the prompt tokens waiting there, `_Priced.opens` and `.waiting`): it
+        joins the step of the waiting prompts in the queue's last, partly filled chunk (the most
+        recently planned there, as vLLM admits them in order) if that step has not started, and
+        lengthens it by its own share of it; then it waits for later ones to join its own until that
+        starts (`opens` from now; at once on an idle backend).
 
         A step that has started takes no more prompts. Counted as joinable until its prompts' first
         tokens, a running step's prompts were credited with the next step's work as well: their
@@ -414,7 +422,8 @@ class CostRanker(SimpleRanker):
         docs/policies.md, thirteenth pass)."""
         prompt = request.prompt_tokens
         new = max(prompt - min(int(c.cached_tokens[row]), prompt - 1), 1)
-        rest = float(c.prefill_tokens[row]) % self.chunk_tokens
+        opens_s, waiting = queue
+        rest = waiting % self.chunk_tokens
         added = compute_s * min(new, self.chunk_tokens - rest) / new
         booked = self._planned.setdefault(c.specs[row].id, deque(maxlen=_PLANNED_KEPT))
         for earlier in reversed(booked):  # newest first: once one has started, the older ones have

@@ -65,7 +65,14 @@ class Reserved:
     says is done since it reached the front (`head_since`: when it was planned to an idle queue, or when
     the leg ahead of it was done; see `head_progress`). The head is kept as three attributes,
     `head_tokens`, `head_since` and `head_s`, which the registry reads for every backend on every
-    request (a method call per backend cost ~10 us on 64)."""
+    request (a method call per backend cost ~10 us on 64).
+
+    A head that fits in one step is the first prompt of the engine step in progress: that step began when
+    the head reached the front (the one before it ended then, or the queue was idle), and took the legs
+    queued then, up to one step's token budget (`step_tokens`). A prompt planned later cannot join it;
+    it waits for what is left of it, then for the waiting legs' steps (`WorkModel.steps`). A head planned
+    to an idle queue begins its step when the decode step running then ends: half a step later on
+    average (`step_behind`, in decode steps; 0 when the step began as the one before it ended)."""
 
     __slots__ = (
         "context_tokens",
@@ -76,6 +83,8 @@ class Reserved:
         "kv_due",
         "prefill_tokens",
         "prefilling",
+        "step_behind",
+        "step_tokens",
     )
 
     def __init__(self) -> None:
@@ -89,13 +98,15 @@ class Reserved:
         self.head_tokens = 0.0
         self.head_since = 0.0
         self.head_s = math.inf
+        self.step_tokens = 0.0  # the tokens of the step in progress (0: none known, see above)
+        self.step_behind = 0.0
 
     def add(self, leg: LegLoad, now: float) -> None:
         self.prefill_tokens += leg.prefill_tokens
         if leg.prefill_tokens > 0:
             self.prefilling.append(leg)
             if len(self.prefilling) == 1:
-                self._front(now)
+                self._front(now, behind=0.5)
         if leg.context_tokens > 0:
             self.decode_seqs += 1
             self.context_tokens += leg.context_tokens
@@ -133,14 +144,19 @@ class Reserved:
                     self._front(now)  # the next one is at the front from now
                 return
 
-    def _front(self, now: float) -> None:
+    def _front(self, now: float, behind: float = 0.0) -> None:
         if not self.prefilling:
-            self.head_tokens, self.head_s = 0.0, math.inf
+            self.head_tokens, self.head_s, self.step_tokens = 0.0, math.inf, 0.0
             return
         leg = self.prefilling[0]
         self.head_tokens = float(leg.prefill_tokens)
         self.head_since = now
         self.head_s = leg.prefill_s if leg.prefill_s > 0.0 else math.inf  # NaN: not priced
+        # Every leg queued now is in the step that starts now, up to its budget; a longer head's steps
+        # are its own chunks, counted by `head_progress` instead.
+        short = self.head_tokens <= DEFAULT_CHUNK_TOKENS
+        self.step_tokens = float(min(self.prefill_tokens, DEFAULT_CHUNK_TOKENS)) if short else 0.0
+        self.step_behind = behind
 
 
 def leg_loads(
@@ -221,9 +237,10 @@ def load_columns(
     """The load columns of `Candidates` from the gateway's accounting and vLLM's counts (see above).
 
     `seen` ([4, backends]): the gateway's own `in_flight`, `prefill_seqs`, `decode_seqs` and
-    `context_tokens` when vLLM's counts were reported (None: now, a fresh report). `head` ([3, backends]:
-    `Reserved.head_tokens`, `head_since`, `head_s` of each): the prompt in progress, of which the share
-    its predicted prefill seconds say is done no longer counts as queued (None: nothing is taken off)."""
+    `context_tokens` when vLLM's counts were reported (None: now, a fresh report). `head` ([5, backends]:
+    `Reserved.head_tokens`, `head_since`, `head_s`, `step_tokens`, `step_behind` of each): the prompt in
+    progress, of which the share its predicted prefill seconds say is done no longer counts as queued,
+    and the step in progress (None: nothing is taken off, no step is known)."""
     if seen is None:
         seen = np.stack((in_flight, prefill_seqs, decode_seqs, context_tokens))
     # vLLM's counts beyond the gateway's own at the time of the report: other clients' requests.
@@ -237,9 +254,15 @@ def load_columns(
     # Prompts queued ahead: the reserved tokens less the part of the prompt in progress already computed,
     # and others' waiting requests at the mean prompt length.
     prompt_len = np.divide(prefill_tokens, prefill_seqs, out=mean_context.copy(), where=prefill_seqs > 0)
-    done = 0.0 if head is None else head_progress(head, now)
+    done = 0.0 if head is None else head_progress(head[:3], now)
     queued = prefill_tokens - done + other_waiting * prompt_len
     others_context = other_running * mean_context
+    if head is None:
+        step_tokens, step_elapsed, step_behind = (np.zeros_like(queued) for _ in range(3))
+    else:  # a leg that failed in the step may have left it: never more than is queued
+        step_tokens = np.minimum(head[3], queued)
+        step_elapsed = np.where(step_tokens > 0, now - head[1], 0.0)
+        step_behind = head[4]
     return {
         "load": request_load(in_flight, running, waiting, in_flight_seen=seen[0]),
         "prefill_tokens": queued,
@@ -248,6 +271,9 @@ def load_columns(
         "context_tokens": context_tokens + others_context,
         # What `context_tokens` was when vLLM's KV usage was reported (`WorkModel.context`).
         "context_when_reported": seen[3] + others_context,
+        "step_tokens": step_tokens,
+        "step_elapsed": step_elapsed,
+        "step_behind": step_behind,
     }
 
 
@@ -291,6 +317,9 @@ class Steps(NamedTuple):
     wait: np.ndarray
     prefill: np.ndarray
     stall: np.ndarray
+    ahead: np.ndarray
+    mid_step: np.ndarray
+    waiting: np.ndarray
 
 
 class WorkModel:
@@ -330,50 +359,86 @@ class WorkModel:
         context: np.ndarray,
         prefill_tokens: np.ndarray,
         prefill_len: np.ndarray,
+        step_tokens: np.ndarray,
+        step_elapsed: np.ndarray,
+        step_behind: np.ndarray,
     ) -> Steps:
-        """What a new request meets on every backend, in seconds, from one vectorised `step_time` over
-        five rows (one call: the routing decision is on the request path):
+        """What a new request meets on every backend, in seconds, from two vectorised `step_time` calls
+        (the decode batch alone, then five rows at once: the routing decision is on the request path):
 
         - `base`, `step`: one decode step of the running batch, without and with this request
           (`own_context` tokens of context);
-        - `wait`: the prefill queued ahead (`prefill_tokens` of prompts `prefill_len` long), in one
-          roofline pass with the running batch (chunks of several prompts batch together, and the
-          decodes ride them), plus one decode step per further chunk;
+        - `wait`: what is left of the prefill step in progress (`step_tokens` of the queued
+          `prefill_tokens`, of prompts `prefill_len` long, known `step_elapsed` roofline seconds ago
+          and begun `step_behind` decode steps after that), then the steps of the prompts waiting
+          behind it, each of one step's token budget at most, the running batch riding each. vLLM
+          schedules a step from what waits when it begins, so a new prompt cannot join the one in
+          progress, and every step reads the weights again: on a weight-bound backend (the CPX's
+          short prompts) a queue priced as one pass with the step in progress was a quarter short,
+          and with the step's progress unknown a compute-bound one's (the B200's) a fifth long. A
+          step that has not begun (it waits for the decode step in progress) is still open: it is
+          priced as waiting, and a new prompt joins it;
+        - `mid_step`: the decode step in progress a new prompt waits for first when no prefill step
+          is known to run: what is left of it before an open step, half of one on average otherwise;
         - `prefill`: what this request's own prefill of `new_tokens` after `cached_tokens` adds to
-          that: the queue and the prompt in one pass, minus the queue. A step reads the weights once
-          for every prompt and decode in it; priced apart, a prompt joining a short queue paid the
-          weights twice, and the compute correction learnt from those TTFTs drifted to half the
-          truth (AMD seed cluster, conversation trace: MI300X 1.53 for a true 2.71);
+          that: it joins the last waiting step if there is room, and those steps are priced with it,
+          minus the same steps without it. A step reads the weights once for every prompt and decode
+          in it; priced apart, a prompt joining a short queue paid the weights twice, and the compute
+          correction learnt from those TTFTs drifted to half the truth (AMD seed cluster,
+          conversation trace: MI300X 1.53 for a true 2.71);
+        - `ahead`: seconds until the last of the waiting prompts' steps begins, the one a prompt or a
+          split's decode leg queued now is admitted in (what is left of the step in progress, and the
+          waiting prompts' full steps before it);
+        - `waiting`: the prompt tokens queued behind the step in progress (the ones a new prompt may
+          share a step with);
         - `stall`: how much longer the running batch's steps take, in all, while that prefill shares
           them (chunked prefill): the mixed step minus the decode-only one, weights counted once.
         """
         n = len(seqs)
         zero = np.zeros(n)
+        base = self._step_time(zero, zero, seqs, context)
+        # A step planned to an idle queue begins when the decode step running then ends; until then
+        # it takes more prompts, as a waiting one does.
+        closed = (step_tokens > 0) & (step_elapsed >= step_behind * base)
+        in_step = np.where(closed, step_tokens, 0.0)
+        before_open = np.maximum(step_behind * base - step_elapsed, 0.0)
+        mid_step = np.where(closed, 0.0, np.where(step_tokens > 0, before_open, 0.5 * base))
         own_pairs = causal_pairs(new_tokens, cached_tokens)
-        queued_pairs = prefill_tokens / prefill_len * causal_pairs(prefill_len, 0)
-        total_tokens = prefill_tokens + new_tokens
+        pairs_per_token = causal_pairs(prefill_len, 0) / prefill_len
+        waiting = np.maximum(prefill_tokens - in_step, 0.0)
+        # The waiting prompts' steps, without and with this one (at least one: its own).
+        alone_steps = np.ceil(waiting / self.chunk_tokens)
+        with_steps = np.maximum(np.ceil((waiting + new_tokens) / self.chunk_tokens), 1.0)
+        per_alone = 1.0 / np.maximum(alone_steps, 1.0)
+        per_with = 1.0 / with_steps
         # Each input's five rows by one concatenate: np.stack of five temporaries cost ~5 us each, as
-        # much as the step formula itself on the request path.
-        prefill = np.concatenate((zero, zero, prefill_tokens, total_tokens, new_tokens)).reshape(5, n)
+        # much as the step formula itself on the request path. Rows: the decode batch with this
+        # request; the step in progress; one waiting step without, with this prompt; this prompt alone.
+        prefill = np.concatenate(
+            (zero, in_step, waiting * per_alone, (waiting + new_tokens) * per_with, new_tokens)
+        ).reshape(5, n)
+        waiting_pairs = waiting * pairs_per_token
+        pairs = np.concatenate(
+            (zero, in_step * pairs_per_token, waiting_pairs * per_alone,
+             (waiting_pairs + own_pairs) * per_with, own_pairs)
+        ).reshape(5, n)  # fmt: skip
         rows = self._step_time(
             prefill,
-            np.concatenate((zero, zero, queued_pairs, queued_pairs + own_pairs, own_pairs)).reshape(5, n),
-            np.concatenate((seqs, seqs + 1.0, seqs, seqs, seqs)).reshape(5, n),
-            np.concatenate((context, context + own_context, context, context, context)).reshape(5, n),
+            pairs,
+            np.concatenate((seqs + 1.0, seqs, seqs, seqs, seqs)).reshape(5, n),
+            np.concatenate((context + own_context, *(context,) * 4)).reshape(5, n),
         )
-        base, step, _, _, mixed = rows
-        # A queue of n chunks takes one pass and n - 1 more decode steps; an empty one takes nothing.
-        # Rows: the queue alone (`wait`), the queue and this prompt (its first token).
-        wait, first_token = rows[2:4] + self.riding_s(prefill[2:4], base) - base
+        step, current, alone, joined, mixed = rows
+        left = np.where(closed, np.maximum(current + step_behind * base - step_elapsed, 0.0), 0.0)
+        wait = left + alone_steps * alone
+        first_token = left + with_steps * joined
         return Steps(
             base=base,
             step=step,
             wait=wait,
             prefill=first_token - wait,
             stall=np.maximum(mixed - base, 0.0),
+            ahead=left + np.maximum(alone_steps - 1.0, 0.0) * alone,
+            mid_step=mid_step,
+            waiting=waiting,
         )
-
-    def riding_s(self, tokens: np.ndarray, decode_step: np.ndarray) -> np.ndarray:
-        """Decode work that shares the chunked-prefill steps of `tokens` prefill tokens, for the running
-        batch's `decode_step`."""
-        return np.asarray(np.ceil(np.asarray(tokens, dtype=float) / self.chunk_tokens) * decode_step)

@@ -101,6 +101,12 @@ class Candidates:
     # `context_tokens` as it was when vLLM's `kv_usage` was reported: what the KV usage says beyond it is
     # other clients' context (`WorkModel.context`).
     context_when_reported: np.ndarray
+    # The engine step in progress, as far as the gateway knows (`scoring.load.Reserved`): the prompt
+    # tokens in it (part of `prefill_tokens`; 0: none known), the seconds since it was known to begin,
+    # and the decode steps it waited for then (0.5: planned to an idle queue beside running decodes).
+    step_tokens: np.ndarray
+    step_elapsed: np.ndarray
+    step_behind: np.ndarray
     # Split decode legs headed here whose KV has not come: their rows and when each is due, in seconds
     # from now (negative: overdue). A prefill planned on such a row before one is due holds it up.
     kv_due_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))

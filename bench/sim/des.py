@@ -224,8 +224,9 @@ class Replay:
         # formula over all of them (`scoring.load.load_columns`, as the registry does).
         self.base = Candidates.build(sim.specs, tuple(BackendStats() for _ in range(n)))
         # in_flight, running, waiting, prefill tokens and seqs, decode seqs, context, kv_usage, and the
-        # prompt in progress (`Reserved`: head tokens, since, predicted seconds)
-        self.stats = np.zeros((11, n))
+        # prompt in progress (`Reserved`: head tokens, since, predicted seconds; the step's tokens and
+        # the decode steps it waited for)
+        self.stats = np.zeros((13, n))
         self.dirty = set(range(n))
         self.records = [
             RequestRecord(w.request_id, w.arrival_s, w.prompt_len, w.max_tokens) for w in workload
@@ -407,7 +408,8 @@ class Replay:
         kv_usage = 1.0 - e.pool.num_free / e.config.num_gpu_blocks
         return (
             self.in_flight[k], len(e.running), len(e.waiting), r.prefill_tokens, r.prefill_seqs,
-            r.decode_seqs, r.context_tokens, kv_usage, r.head_tokens, r.head_since, r.head_s,
+            r.decode_seqs, r.context_tokens, kv_usage, r.head_tokens, r.head_since, r.head_s, r.step_tokens,
+            r.step_behind,
         )  # fmt: skip
 
     def live_stats(self) -> tuple[BackendStats, ...]:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from scoring.catalog import load_catalog
+from scoring.cost import causal_pairs
 from scoring.cost_policy import SHORTLIST, CostRanker, _best, _cobatched, _order, _shortlist
 from scoring.outcome import Measured, outcomes_of
 from scoring.router import build_router
@@ -540,7 +541,8 @@ def decode_base(ranker: CostRanker, c: Candidates) -> np.ndarray:
     own = long_prompt()
     return work.steps(
         np.full(n, float(own.prompt_tokens)), np.zeros(n), own.prompt_tokens + own.max_tokens / 2,
-        c.decode_seqs, context, c.prefill_tokens, c.prefill_len,
+        c.decode_seqs, context, c.prefill_tokens, c.prefill_len, c.step_tokens, c.step_elapsed,
+        c.step_behind,
     ).base  # fmt: skip
 
 
@@ -571,6 +573,29 @@ def test_a_request_waits_for_the_step_in_progress(deepseek):
     assert base[1] > 0
     assert p.wait[0] == 0.0
     assert p.wait[1] == pytest.approx(0.5 * base[1])
+
+
+def test_a_request_planned_during_a_prefill_step_waits_for_what_is_left_of_it(deepseek):
+    """A step in progress takes no more prompts: a request waits for what is left of it (no half step
+    besides), then takes a step of its own, weights read and all; the longer the step has run, the less
+    is left. The compute correction scales the step's seconds, so the clock's elapsed seconds count
+    1/k of its roofline."""
+    ranker = CostRanker(deepseek)
+    queued = BackendStats(in_flight=1, prefill_tokens=2000, prefill_seqs=1)
+    c = cluster((queued, queued))
+    c.step_tokens = np.array([0.0, 2000.0])  # backend 1 began a step of that prompt...
+    c.step_elapsed = np.array([0.0, 0.01])  # ...10 ms ago
+    cl = ranker._cluster(c.specs)
+    work, request = cl.work, RequestFeatures("m", prompt_tokens=1000, max_tokens=64)
+    one_step = work._step_time(2000.0, causal_pairs(2000.0, 0), 0.0, 0.0)
+    own_step = work._step_time(1000.0, causal_pairs(1000.0, 0), 0.0, 0.0)
+    p = ranker._price(request, c, cl)
+    assert p.wait[1] == pytest.approx(one_step[1] - 0.01)
+    assert p.compute[1] == pytest.approx(own_step[1])  # the weights read again
+    assert p.compute[0] < 0.5 * own_step[0]  # backend 0's prompt waits: they share one step
+    cl.compute_factor[:] = 2.0
+    slow = ranker._price(request, c, cl)
+    assert slow.wait[1] == pytest.approx(2.0 * (one_step[1] - 0.005))
 
 
 def test_a_split_prices_the_decoders_steps_as_its_measured_tpot_corrects_them(deepseek):

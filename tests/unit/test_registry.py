@@ -318,6 +318,43 @@ def test_the_prompt_in_progress_counts_only_what_its_predicted_prefill_has_left(
     unpriced.release()
 
 
+def test_the_step_in_progress_holds_the_legs_queued_when_it_began():
+    """A leg planned to an idle backend begins a step; legs planned while it runs wait for the next one,
+    which begins when the head's prefill is done and takes every leg queued then, up to one step's
+    token budget. A head longer than a step has steps of its own chunks: no step is known. A step
+    planned to an idle queue begins when the decode step running then ends (half a step on average)."""
+    clock = Clock()
+    reg, _ = registry(clock)
+    a = reg.backends["b0"]
+
+    def step() -> tuple[float, float]:
+        c = reg.candidates(reg.pools["m"])
+        return float(c.step_tokens[0]), float(c.step_elapsed[0])
+
+    def steps_behind() -> float:
+        return float(reg.candidates(reg.pools["m"]).step_behind[0])
+
+    head = reg.reserve(a, LegLoad(3000, 8, 3000, prefill_s=0.1))
+    clock.now += 0.02
+    behind = [reg.reserve(a, LegLoad(3000, 8, 3000, prefill_s=0.1)) for _ in range(3)]
+    assert step() == pytest.approx((3000, 0.02))  # the three came too late for it
+    assert steps_behind() == 0.5  # planned to an idle queue: after the decode step running then
+    clock.now += 0.03
+    head.prefill_done()
+    assert step() == pytest.approx((8192, 0.0))  # two and a part of the third fit in the budget
+    assert steps_behind() == 0.0  # it began as the step before it ended
+    clock.now += 0.01
+    assert step() == pytest.approx((8192, 0.01))
+    for leg in behind:
+        leg.prefill_done()
+    assert step() == (0.0, 0.0)
+    for leg in (head, *behind):
+        leg.release()
+    long = reg.reserve(a, LegLoad(20000, 8, 20000, prefill_s=1.0))
+    assert step() == (0.0, 0.0)
+    long.release()
+
+
 def test_the_leg_that_leaves_the_queue_is_the_one_whose_prefill_is_done():
     """Two legs of one size are equal; the one done out of order leaves, and the front keeps its time."""
     clock = Clock()
