@@ -15,9 +15,9 @@ One formula in two halves, both vectorised over backends and used alike by the l
      were stacked on its peer (traced in the HTTP check, docs/policies.md, eleventh pass). With a fresh
      report (`seen` is now, as in the simulator) this is the larger of the two views.
 2. `WorkModel` prices those columns with `scoring/cost.py`:
-   - `queue_s`: the prefill work queued or in progress ahead of a new request (vLLM schedules FCFS), as
-     that many prompts of the backend's mean prompt length, plus the decode batch riding along in every
-     chunked-prefill step;
+   - the wait: the prefill work ahead of a new request (vLLM schedules FCFS), as what is left of the
+     engine step in progress and then the steps of the prompts waiting behind it (of the backend's mean
+     prompt length, one step's token budget each), the decode batch riding along in every step;
    - `prefill_s`: a request's own (uncached) prefill on each backend, with the same riding decodes;
    - `tpot_s`: one decode step at the batch and context the request joins. The context is the reserved
      one plus what `kv_cache_usage_perc` said was in use beyond the context the columns gave when it was
