@@ -394,41 +394,21 @@ class WorkModel:
         - `stall`: how much longer the running batch's steps take, in all, while that prefill shares
           them (chunked prefill): the mixed step minus the decode-only one, weights counted once.
         """
-        n = len(seqs)
-        zero = np.zeros(n)
-        base = self._step_time(zero, zero, seqs, context)
+        # Priced first as if the step in progress had begun (the common case): one `step_time` call.
         # A step planned to an idle queue begins when the decode step running then ends; until then
-        # it takes more prompts, as a waiting one does.
+        # it takes more prompts, as a waiting one does, and is priced again so.
+        own_pairs = np.asarray(causal_pairs(new_tokens, cached_tokens))
+        pairs_per_token = np.asarray(causal_pairs(prefill_len, 0) / prefill_len)
+        shape = (new_tokens, own_pairs, pairs_per_token, own_context, seqs, context, prefill_tokens)
+        rows, alone_steps, with_steps, waiting = self._rows(step_tokens, *shape)
+        base = rows[0]
         closed = (step_tokens > 0) & (step_elapsed >= step_behind * base)
-        in_step = np.where(closed, step_tokens, 0.0)
+        opening = (step_tokens > 0) & ~closed
+        if opening.any():
+            rows, alone_steps, with_steps, waiting = self._rows(np.where(closed, step_tokens, 0.0), *shape)
+        base, step, current, alone, joined, mixed = rows
         before_open = np.maximum(step_behind * base - step_elapsed, 0.0)
-        mid_step = np.where(closed, 0.0, np.where(step_tokens > 0, before_open, 0.5 * base))
-        own_pairs = causal_pairs(new_tokens, cached_tokens)
-        pairs_per_token = causal_pairs(prefill_len, 0) / prefill_len
-        waiting = np.maximum(prefill_tokens - in_step, 0.0)
-        # The waiting prompts' steps, without and with this one (at least one: its own).
-        alone_steps = np.ceil(waiting / self.chunk_tokens)
-        with_steps = np.maximum(np.ceil((waiting + new_tokens) / self.chunk_tokens), 1.0)
-        per_alone = 1.0 / np.maximum(alone_steps, 1.0)
-        per_with = 1.0 / with_steps
-        # Each input's five rows by one concatenate: np.stack of five temporaries cost ~5 us each, as
-        # much as the step formula itself on the request path. Rows: the decode batch with this
-        # request; the step in progress; one waiting step without, with this prompt; this prompt alone.
-        prefill = np.concatenate(
-            (zero, in_step, waiting * per_alone, (waiting + new_tokens) * per_with, new_tokens)
-        ).reshape(5, n)
-        waiting_pairs = waiting * pairs_per_token
-        pairs = np.concatenate(
-            (zero, in_step * pairs_per_token, waiting_pairs * per_alone,
-             (waiting_pairs + own_pairs) * per_with, own_pairs)
-        ).reshape(5, n)  # fmt: skip
-        rows = self._step_time(
-            prefill,
-            pairs,
-            np.concatenate((seqs + 1.0, seqs, seqs, seqs, seqs)).reshape(5, n),
-            np.concatenate((context + own_context, *(context,) * 4)).reshape(5, n),
-        )
-        step, current, alone, joined, mixed = rows
+        mid_step = np.where(closed, 0.0, np.where(opening, before_open, 0.5 * base))
         left = np.where(closed, np.maximum(current + step_behind * base - step_elapsed, 0.0), 0.0)
         wait = left + alone_steps * alone
         first_token = left + with_steps * joined
@@ -442,3 +422,43 @@ class WorkModel:
             mid_step=mid_step,
             waiting=waiting,
         )
+
+    def _rows(
+        self,
+        in_step: np.ndarray,
+        new_tokens: np.ndarray,
+        own_pairs: np.ndarray,
+        pairs_per_token: np.ndarray,
+        own_context: float,
+        seqs: np.ndarray,
+        context: np.ndarray,
+        prefill_tokens: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`steps`' step times with `in_step` prompt tokens in the step in progress (rows: the decode
+        batch without and with this request, the step in progress, one waiting step without and with
+        this prompt, this prompt alone beside the decodes), the waiting steps' counts without and with
+        it, and the tokens waiting. Each input's six rows by one concatenate: np.stack of six
+        temporaries cost ~5 us each, as much as the step formula itself on the request path."""
+        n = len(seqs)
+        zero = np.zeros(n)
+        waiting = np.maximum(prefill_tokens - in_step, 0.0)
+        # The waiting prompts' steps, without and with this one (at least one: its own).
+        alone_steps = np.ceil(waiting / self.chunk_tokens)
+        with_steps = np.maximum(np.ceil((waiting + new_tokens) / self.chunk_tokens), 1.0)
+        per_alone = 1.0 / np.maximum(alone_steps, 1.0)
+        per_with = 1.0 / with_steps
+        prefill = np.concatenate(
+            (zero, zero, in_step, waiting * per_alone, (waiting + new_tokens) * per_with, new_tokens)
+        ).reshape(6, n)
+        waiting_pairs = waiting * pairs_per_token
+        pairs = np.concatenate(
+            (zero, zero, in_step * pairs_per_token, waiting_pairs * per_alone,
+             (waiting_pairs + own_pairs) * per_with, own_pairs)
+        ).reshape(6, n)  # fmt: skip
+        rows = self._step_time(
+            prefill,
+            pairs,
+            np.concatenate((seqs, seqs + 1.0, seqs, seqs, seqs, seqs)).reshape(6, n),
+            np.concatenate((context, context + own_context, *(context,) * 4)).reshape(6, n),
+        )
+        return rows, alone_steps, with_steps, waiting
