@@ -402,18 +402,24 @@ class CostRanker(SimpleRanker):
         bookkeeping."""
         mode, aggregated, prefill, decode, reason = plan
         row = prefill[0] if mode is Mode.PD else aggregated[0]
-        joined = self._join(request, c, row, predicted[7], (float(p.opens[row]), float(p.waiting[row])))
+        joined = self._join(request, c, row, predicted[7], float(p.opens[row]), float(p.waiting[row]))
         return RoutePlan(mode, aggregated, prefill, decode, reason, Prediction(*predicted, joined=joined))
 
     def _join(
-        self, request: RequestFeatures, c: Candidates, row: int, compute_s: float, queue: tuple[float, float]
+        self,
+        request: RequestFeatures,
+        c: Candidates,
+        row: int,
+        compute_s: float,
+        opens_s: float,
+        waiting: float,
     ) -> Joined:
-        """Book a planned prefill on its backend (roofline `compute_s` as predicted; `queue`: seconds
-        until its step opens, and the prompt tokens waiting there, `_Priced.opens` and `.waiting`): it
+        """Book a planned prefill on its backend (roofline `compute_s` as predicted; `opens_s`: seconds
+        until its step opens, `waiting`: the prompt tokens waiting there; `_Priced.opens`, `.waiting`): it
         joins the step of the waiting prompts in the queue's last, partly filled chunk (the most
         recently planned there, as vLLM admits them in order) if that step has not started, and
         lengthens it by its own share of it; then it waits for later ones to join its own until that
-        starts (`opens` from now; at once on an idle backend).
+        starts (`opens_s` from now; at once on an idle backend).
 
         A step that has started takes no more prompts. Counted as joinable until its prompts' first
         tokens, a running step's prompts were credited with the next step's work as well: their
@@ -422,7 +428,6 @@ class CostRanker(SimpleRanker):
         docs/policies.md, thirteenth pass)."""
         prompt = request.prompt_tokens
         new = max(prompt - min(int(c.cached_tokens[row]), prompt - 1), 1)
-        opens_s, waiting = queue
         rest = waiting % self.chunk_tokens
         added = compute_s * min(new, self.chunk_tokens - rest) / new
         booked = self._planned.setdefault(c.specs[row].id, deque(maxlen=_PLANNED_KEPT))

@@ -47,6 +47,8 @@ from scoring.types import LegLoad, Mode, Prediction
 
 # vLLM's default `max_num_batched_tokens` with chunked prefill (V1): the prefill tokens one step takes.
 DEFAULT_CHUNK_TOKENS = 8192
+# Decode steps a step planned to an idle queue waits for: the one running then, half done on average.
+_IDLE_QUEUE_BEHIND = 0.5
 
 
 class Reserved:
@@ -106,7 +108,7 @@ class Reserved:
         if leg.prefill_tokens > 0:
             self.prefilling.append(leg)
             if len(self.prefilling) == 1:
-                self._front(now, behind=0.5)
+                self._front(now, behind=_IDLE_QUEUE_BEHIND)
         if leg.context_tokens > 0:
             self.decode_seqs += 1
             self.context_tokens += leg.context_tokens
@@ -363,8 +365,9 @@ class WorkModel:
         step_elapsed: np.ndarray,
         step_behind: np.ndarray,
     ) -> Steps:
-        """What a new request meets on every backend, in seconds, from two vectorised `step_time` calls
-        (the decode batch alone, then five rows at once: the routing decision is on the request path):
+        """What a new request meets on every backend, in seconds, from one vectorised `step_time` call
+        over six rows (`_rows`; a second only while a step planned beside decodes has yet to begin: the
+        routing decision is on the request path):
 
         - `base`, `step`: one decode step of the running batch, without and with this request
           (`own_context` tokens of context);
