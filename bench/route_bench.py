@@ -32,9 +32,9 @@ from gateway.registry import Registry
 from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from kvindex.memory import MemoryIndex
 from scoring.catalog import load_catalog
-from scoring.load import leg_load, leg_loads
+from scoring.load import leg_load
 from scoring.router import build_router
-from scoring.types import Mode, RequestFeatures
+from scoring.types import RequestFeatures
 
 MODEL = "deepseek-r1"
 BLOCK = 16
@@ -76,7 +76,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     for i, backend in enumerate(pool.backends):  # some work reserved on every backend
         for _ in range(i % 4):
             # priced, as `cost` plans them (8,000 tokens fit in a step: no progress is credited)
-            registry.reserve(backend, leg_loads(Mode.AGGREGATED, 8000, 256, 0, prefill_s=0.5)[0])
+            registry.reserve(backend, leg_load("aggregated", 8000, 256, 0, prefill_s=0.5))
         if i % 4 == 1:  # and split decode legs due on a quarter of them (priced by `cost`)
             registry.reserve(backend, leg_load("decode", 8000, 256, 0, kv_due_s=registry.now()))
     request = RequestFeatures(MODEL, args.tokens, 256, False, {BLOCK: hashes})

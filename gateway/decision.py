@@ -141,7 +141,8 @@ class Decision:
         cached = 0 if self.cached is None or not self.features.prompt_tokens else int(self.cached[row])
         max_tokens = self.request.max_tokens or 1
         prefill_s = planned_prefill_s(self.plan.predicted, leg, row)
-        return leg_load(leg, self.features.prompt_tokens, max_tokens, cached, kv_due_s, prefill_s)
+        survival = float(self.candidates.cache_survival[row])
+        return leg_load(leg, self.features.prompt_tokens, max_tokens, cached, kv_due_s, prefill_s, survival)
 
     def prediction_for(self, backends: Sequence[BackendState]) -> Prediction | None:
         """The plan's prediction if `backends` (prefiller first) are the ones it was made for, else None:
@@ -243,7 +244,9 @@ class Decider:
             mode=Mode.PD if split else Mode.AGGREGATED,
             backend_id=decoder.id,
             prompt_tokens=decision.features.prompt_tokens,
-            cached_tokens=0 if decision.cached is None else int(decision.cached[row]),
+            # What the prefiller was expected to hold at admission: vLLM's own figure is in the usage
+            # of the last event only, which the relay does not parse.
+            cached_tokens=0 if decision.cached is None else int(decision.candidates.surviving_cached()[row]),
             output_tokens=served.output_tokens,
             start_s=decision.started,
             first_token_s=served.first_token_s,

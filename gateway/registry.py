@@ -24,7 +24,7 @@ import numpy as np
 from gateway.config import BackendConfig, GatewayConfig, Health, ModelConfig
 from gateway.outlier import OutlierPool, OutlierState, Verdict
 from gateway.stats import VllmLoad
-from scoring.load import Reserved, kv_due_columns, load_columns, request_load
+from scoring.load import CacheSurvival, Reserved, kv_due_columns, load_columns, request_load
 from scoring.types import BackendSpec, Candidates, LegLoad, Role
 
 OwnCounts = tuple[int, int, int, int]  # `BackendState.own_counts`
@@ -50,6 +50,7 @@ class BackendState:
         "reported",
         "reserved",
         "spec",
+        "survival",
         "upstream_key",
     )
 
@@ -70,6 +71,7 @@ class BackendState:
         self.outlier = OutlierState(config.id)
         self.in_flight = 0
         self.reserved = Reserved()  # the work of the legs in flight, taken at plan time (`reserve`)
+        self.survival = CacheSurvival()  # how much of an indexed prefix its prompts found, lately
         self.remote_in_flight = 0  # other gateway processes' requests on it (gateway/replicas.py)
         self.busy_until = 0.0  # answered 429/503 (backpressure): tried last until then (decision.demote)
         self._load = VllmLoad()
@@ -100,6 +102,8 @@ class BackendState:
         seen = now if own_before is None else map(max, own_before, now)
         self._load = load
         self.reported = (load.running, load.waiting, load.kv_usage, *map(float, seen))
+        r = self.reserved
+        self.survival.observe(load.prefix_hits, load.prefix_queries, r.indexed_tokens, r.queried_tokens)
 
     def available(self, now: float) -> bool:
         """Takes traffic outside panic mode: its probe is up and it is not ejected."""
@@ -194,18 +198,19 @@ class ModelPool:
                 [
                     (b.in_flight + b.remote_in_flight, r.prefill_tokens, r.prefill_seqs, r.decode_seqs,
                      r.context_tokens, r.head_tokens, r.head_since, r.head_s, r.step_tokens,
-                     r.step_behind)
+                     r.step_behind, b.survival.factor)
                     for b in self.backends
                     for r in (b.reserved,)
                 ]
             ),
             dtype=float,
-            count=10 * n,
-        ).reshape(n, 10).T.copy()  # fmt: skip
+            count=11 * n,
+        ).reshape(n, 11).T.copy()  # fmt: skip
         reported = self._reported_rows()
         # The one load formula, as the simulator uses it; without `work`, its request counts alone.
         if work:
-            columns = load_columns(own[0], *reported[:2], *own[1:5], seen=reported[3:], head=own[5:], now=now)
+            head = own[5:10]
+            columns = load_columns(own[0], *reported[:2], *own[1:5], seen=reported[3:], head=head, now=now)
             rows_due, due_s = kv_due_columns([b.reserved.kv_due for b in self.backends], now)
             columns.update(kv_due_rows=rows_due, kv_due_s=due_s)
         else:
@@ -218,6 +223,7 @@ class ModelPool:
             capacity=self._capacity,
             kv_usage=reported[2].copy(),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
+            cache_survival=own[10],
             now=now,
             **columns,
         )

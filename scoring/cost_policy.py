@@ -211,7 +211,8 @@ class CostRanker(SimpleRanker):
         prompt, out = request.prompt_tokens, max(request.max_tokens, 1)
         k = cl.compute_factor
         seqs, context = c.decode_seqs, work.context(c.context_tokens, c.kv_usage, c.context_when_reported)
-        cached = np.minimum(c.cached_tokens, max(prompt - 1, 0))  # vLLM recomputes the last token
+        # What each backend should still hold at admission; vLLM recomputes the last token.
+        cached = np.minimum(c.surviving_cached(), max(prompt - 1, 0))
         new = prompt - cached
         own = prompt + out / 2.0
         # The step in progress began `step_elapsed` seconds ago on the clock: 1/k of that in the
@@ -427,7 +428,7 @@ class CostRanker(SimpleRanker):
         calibration took the excess for slowness (B200 compute 2.48 for a true 1.0;
         docs/policies.md, thirteenth pass)."""
         prompt = request.prompt_tokens
-        new = max(prompt - min(int(c.cached_tokens[row]), prompt - 1), 1)
+        new = max(prompt - min(int(c.surviving_cached()[row]), prompt - 1), 1)
         rest = waiting % self.chunk_tokens
         added = compute_s * min(new, self.chunk_tokens - rest) / new
         booked = self._planned.setdefault(c.specs[row].id, deque(maxlen=_PLANNED_KEPT))
@@ -459,7 +460,7 @@ class CostRanker(SimpleRanker):
         prefill_rows = (c.healthy & c.can_prefill).nonzero()[0]
         decode_rows = (c.healthy & c.can_decode).nonzero()[0]
         if split.disaggregation is Disaggregation.AUTO:
-            lacking = request.prompt_tokens - c.cached_tokens[decode_rows]
+            lacking = request.prompt_tokens - c.surviving_cached()[decode_rows]
             decode_rows = decode_rows[lacking >= split.pd_min_prompt_tokens]
         if prefill_rows.size == 0 or decode_rows.size == 0:
             return None

@@ -43,12 +43,19 @@ from scoring.cost import (
     causal_pairs,
     kv_capacity_tokens,
 )
-from scoring.types import LegLoad, Mode, Prediction
+from scoring.types import LegLoad, Prediction
 
 # vLLM's default `max_num_batched_tokens` with chunked prefill (V1): the prefill tokens one step takes.
 DEFAULT_CHUNK_TOKENS = 8192
 # Decode steps a step planned to an idle queue waits for: the one running then, half done on average.
 _IDLE_QUEUE_BEHIND = 0.5
+# `CacheSurvival`: its sums forget one e-fold per this many prompt tokens looked up (~200 8k-token prompts),
+# and it moves only once the index promised this many cached tokens within that window.
+SURVIVAL_WINDOW_TOKENS = 2.0**20
+SURVIVAL_MIN_INDEXED = 8192.0
+# The two sides count a leg at slightly different moments (vLLM when it admits it, the gateway when its
+# prefill is done or its KV came): a shortfall this small is timing, not eviction, and counts as none.
+SURVIVAL_NOISE = 0.05
 
 
 class Reserved:
@@ -82,9 +89,11 @@ class Reserved:
         "head_s",
         "head_since",
         "head_tokens",
+        "indexed_tokens",
         "kv_due",
         "prefill_tokens",
         "prefilling",
+        "queried_tokens",
         "step_behind",
         "step_tokens",
     )
@@ -102,8 +111,14 @@ class Reserved:
         self.head_s = math.inf
         self.step_tokens = 0.0  # the tokens of the step in progress (0: none known, see above)
         self.step_behind = 0.0
+        # Running totals of the legs admitted here (`LegLoad.queried_tokens`, `.indexed_tokens`): what
+        # `CacheSurvival` sets against vLLM's prefix cache counters.
+        self.queried_tokens = 0
+        self.indexed_tokens = 0
 
     def add(self, leg: LegLoad, now: float) -> None:
+        if not leg.prefill_tokens and not leg.awaits_kv:
+            self._looked_up(leg)  # nothing to wait for: admitted now
         self.prefill_tokens += leg.prefill_tokens
         if leg.prefill_tokens > 0:
             self.prefilling.append(leg)
@@ -118,6 +133,8 @@ class Reserved:
     def prefill_done(self, leg: LegLoad, now: float) -> None:
         """The leg's prompt is computed (for a split's decode leg: on its prefiller, so the leg is no
         longer due; it goes out to this backend and queues there in order)."""
+        if leg.prefill_tokens or leg.awaits_kv:
+            self._looked_up(leg)
         self.prefill_tokens -= leg.prefill_tokens
         if leg.prefill_tokens > 0:
             self._leave_queue(leg, now)
@@ -131,6 +148,13 @@ class Reserved:
         if leg.context_tokens > 0:
             self.decode_seqs -= 1
             self.context_tokens -= leg.context_tokens
+
+    def _looked_up(self, leg: LegLoad) -> None:
+        # Counted when vLLM has admitted the leg (its prefill is done, or its KV came), as vLLM counts
+        # its prefix cache queries: counted at plan time, a burst's legs lowered `CacheSurvival` until
+        # they were admitted (B200 + 2x H100 bursts: to 0.38).
+        self.queried_tokens += leg.queried_tokens
+        self.indexed_tokens += leg.indexed_tokens
 
     @property
     def prefill_seqs(self) -> int:
@@ -161,38 +185,83 @@ class Reserved:
         self.step_behind = behind
 
 
-def leg_loads(
-    mode: Mode,
-    prompt_tokens: int,
-    max_tokens: int,
-    cached_prefill: int,
-    kv_due_s: float = math.nan,
-    prefill_s: float = math.nan,
-) -> tuple[LegLoad, LegLoad | None]:
-    """The `LegLoad` of each leg of a plan: (aggregated or prefill leg, decode leg or None).
+class CacheSurvival:
+    """The share of the prefix the index promised a backend that its prompts still found when admitted.
 
-    `cached_prefill` is the prompt tokens the backend that prefills already holds, `prefill_s` the
-    seconds the plan predicts for that prefill (`planned_prefill_s`). A prefill leg generates one token
-    and keeps no sequence; the decode leg of a split computes no prompt tokens (its KV is transferred)
-    but holds the whole prompt as context, and its KV is due at `kv_due_s`."""
-    uncached = max(prompt_tokens - cached_prefill, 0)
-    if mode is Mode.PD:
-        return LegLoad(uncached, 1, 0, prefill_s=prefill_s), LegLoad(0, max_tokens, prompt_tokens, kv_due_s)
-    return LegLoad(uncached, max_tokens, prompt_tokens, prefill_s=prefill_s), None
+    The prefix index says what a backend holds when a request is planned; vLLM looks the prompt up
+    when it admits it, after the queue ahead, whose prompts may have evicted the prefix by then (LRU
+    over free blocks; a small KV cache cycles in seconds). Each report of vLLM's prefix cache counters
+    (`prefix_cache_hits`, `prefix_cache_queries`) is set against the gateway's own totals of the legs it
+    planned there (`Reserved.indexed_tokens`, `.queried_tokens`), as rates, so other clients' traffic
+    and other gateway replicas' do not skew it:
+
+        found  = (hits / queries) / (indexed / queried)
+        factor = min(1, found / (1 - SURVIVAL_NOISE))
+
+    over sums that forget at one e-fold per `window_tokens` prompt tokens looked up (a window in work,
+    not in time: the poller's cadence and the simulator's differ). It only ever discounts: an index
+    that under-counts (approximate mode misses other clients' prompts) is not corrected upward."""
+
+    __slots__ = ("_last", "_sums", "factor", "window_tokens")
+
+    def __init__(self, window_tokens: float = SURVIVAL_WINDOW_TOKENS) -> None:
+        self.window_tokens = window_tokens
+        self.factor = 1.0
+        self._last: tuple[float, float, float, float] | None = None
+        self._sums = [0.0, 0.0, 0.0, 0.0]  # hits, queries, indexed, queried
+
+    def observe(self, hits: float, queries: float, indexed: float, queried: float) -> None:
+        """One report: vLLM's two counters and the gateway's two totals, as they stand now."""
+        now = (hits, queries, indexed, queried)
+        last, self._last = self._last, now
+        if last is None:  # the first report is the baseline: vLLM may have run long before
+            return
+        delta = [a - b for a, b in zip(now, last, strict=True)]
+        if min(delta[:2]) < 0:  # vLLM's counters went back: it restarted; start over
+            self._sums = [0.0, 0.0, 0.0, 0.0]
+            self.factor = 1.0
+            return
+        keep = math.exp(-max(delta[1], delta[3]) / self.window_tokens)
+        self._sums = [s * keep + d for s, d in zip(self._sums, delta, strict=True)]
+        hit, queried_vllm, promised, queried_own = self._sums
+        if promised < SURVIVAL_MIN_INDEXED or queried_vllm <= 0.0:
+            return  # too little promised lately to tell: keep the last factor
+        found = (hit / queried_vllm) / (promised / queried_own)
+        self.factor = min(1.0, found / (1.0 - SURVIVAL_NOISE))
 
 
 def leg_load(
     leg: str,
     prompt_tokens: int,
     max_tokens: int,
-    cached_prefill: int,
+    cached: int,
     kv_due_s: float = math.nan,
     prefill_s: float = math.nan,
+    survival: float = 1.0,
 ) -> LegLoad:
-    """The `LegLoad` of one leg of a request (leg: aggregated | prefill | decode), by `leg_loads`."""
-    mode = Mode.AGGREGATED if leg == "aggregated" else Mode.PD
-    first, decode = leg_loads(mode, prompt_tokens, max_tokens, cached_prefill, kv_due_s, prefill_s)
-    return decode if leg == "decode" and decode is not None else first
+    """The `LegLoad` of one leg of a request (leg: aggregated | prefill | decode) on one backend.
+
+    `cached` is the prompt tokens the prefix index says that backend holds, and `survival` the share of
+    such a prefix its prompts still found when admitted (`CacheSurvival`): a leg that prefills reserves
+    the rest as uncached. `prefill_s` is the seconds the plan predicts for that prefill
+    (`planned_prefill_s`). A prefill leg generates one token and keeps no sequence; the decode leg of a
+    split computes no prompt tokens (its KV is transferred) but holds the whole prompt as context, and
+    its KV is due at `kv_due_s`. Every leg looks the whole prompt up in its backend's prefix cache (a
+    decode leg too: vLLM takes its local hits before the connector's)."""
+    if leg == "decode":
+        return LegLoad(
+            0, max_tokens, prompt_tokens, kv_due_s, queried_tokens=prompt_tokens, indexed_tokens=cached
+        )
+    uncached = max(prompt_tokens - int(cached * survival), 0)
+    split = leg == "prefill"
+    return LegLoad(
+        uncached,
+        1 if split else max_tokens,
+        0 if split else prompt_tokens,
+        prefill_s=prefill_s,
+        queried_tokens=prompt_tokens,
+        indexed_tokens=cached,
+    )
 
 
 def planned_prefill_s(predicted: Prediction | None, leg: str, row: int) -> float:

@@ -94,6 +94,10 @@ class Candidates:
     capacity: np.ndarray
     kv_usage: np.ndarray
     cached_tokens: np.ndarray
+    # The share of an indexed prefix each backend's prompts still found when admitted, lately
+    # (`scoring.load.CacheSurvival`; 1 where nothing was learnt): a small KV cache can evict a prefix
+    # between the plan and the admission.
+    cache_survival: np.ndarray
     prefill_tokens: np.ndarray
     prefill_len: np.ndarray
     decode_seqs: np.ndarray
@@ -121,6 +125,12 @@ class Candidates:
 
     def __len__(self) -> int:
         return len(self.specs)
+
+    def surviving_cached(self) -> np.ndarray:
+        """The prompt tokens each backend is expected to still hold when the request is admitted:
+        `cached_tokens` times `cache_survival` (what pricing and the reservation count as cached)."""
+        surviving: np.ndarray = self.cached_tokens * self.cache_survival
+        return surviving
 
     @classmethod
     def build(
@@ -156,6 +166,7 @@ class Candidates:
             capacity=np.fromiter((s.max_num_seqs for s in specs), dtype=float, count=n),
             kv_usage=col("kv_usage"),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
+            cache_survival=np.ones(n),
             now=now,
             **columns,
         )
@@ -303,6 +314,11 @@ class LegLoad:
     # The seconds its own prefill takes here as the plan priced it (`Prediction.compute_s`); NaN when no
     # plan priced this backend for it. It dates the prefill in progress (`scoring.load.Reserved.head_tokens`).
     prefill_s: float = math.nan
+    # What its engine's prefix cache will be asked for (`scoring.load.CacheSurvival`): the prompt tokens it
+    # looks up (every leg: vLLM looks up the whole prompt, a split's decode leg too) and how many of them
+    # the prefix index said this backend held when the leg was planned (0 for a split's decode leg).
+    queried_tokens: int = 0
+    indexed_tokens: int = 0
 
     @property
     def awaits_kv(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,15 @@ from bench.workloads import Prompt, WorkloadRequest, block_token_ids
 from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from scoring.catalog import Accelerator, ModelSpec
 from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time
-from scoring.load import Reserved, kv_due, kv_due_columns, leg_loads, load_columns, planned_prefill_s
+from scoring.load import (
+    CacheSurvival,
+    Reserved,
+    kv_due,
+    kv_due_columns,
+    leg_load,
+    load_columns,
+    planned_prefill_s,
+)
 from scoring.outcome import Measured, outcomes_of
 from scoring.types import (
     BackendSpec,
@@ -218,6 +227,7 @@ class Replay:
         # reserved when planned (`scoring/load.py`), released as legs finish.
         self.in_flight = [0] * n
         self.reserved = [Reserved() for _ in range(n)]
+        self.survival = [CacheSurvival() for _ in range(n)]  # fed each engine's counters, as a scrape
         self.leg_load: dict[tuple[int, str], LegLoad] = {}  # (engine, request id) -> its reservation
         self.predicted: dict[str, Prediction | None] = {}
         # The fixed columns of Candidates once; the live ones per engine as it changes, then the load
@@ -321,13 +331,12 @@ class Replay:
             prefiller, decoder = plan.prefill[0], plan.decode[0]
             record.prefill_backend = self.sim.specs[prefiller].id
             record.backend = self.sim.specs[decoder].id
-            cached = int(candidates.cached_tokens[prefiller])
             due = kv_due(plan.predicted, t)
             prefill_s = planned_prefill_s(plan.predicted, "prefill", prefiller)
-            first, second = leg_loads(Mode.PD, w.prompt_len, w.max_tokens, cached, due, prefill_s)
-            assert second is not None
-            self._reserve(decoder, w.request_id, second, t)  # taken at plan time, like the gateway
-            self._reserve(prefiller, w.request_id, first, t)
+            decode_leg = self._leg("decode", i, decoder, candidates, kv_due_s=due)
+            self._reserve(decoder, w.request_id, decode_leg, t)  # taken at plan time, like the gateway
+            prefill_leg = self._leg("prefill", i, prefiller, candidates, prefill_s)
+            self._reserve(prefiller, w.request_id, prefill_leg, t)
             request = EngineRequest(
                 w.request_id, w.prompt_len, 1, hashes[self._bs(prefiller)], prefill_only=True
             )
@@ -339,13 +348,26 @@ class Replay:
             return
         target = plan.aggregated[0]
         record.backend = self.sim.specs[target].id
-        cached = int(candidates.cached_tokens[target])
         prefill_s = planned_prefill_s(plan.predicted, "aggregated", target)
-        leg = leg_loads(Mode.AGGREGATED, w.prompt_len, w.max_tokens, cached, prefill_s=prefill_s)[0]
+        leg = self._leg("aggregated", i, target, candidates, prefill_s)
         self._reserve(target, w.request_id, leg, t)
         self._submit(
             target, i, EngineRequest(w.request_id, w.prompt_len, w.max_tokens, hashes[self._bs(target)]), t
         )
+
+    def _leg(
+        self,
+        leg: str,
+        i: int,
+        engine: int,
+        c: Candidates,
+        prefill_s: float = math.nan,
+        kv_due_s: float = math.nan,
+    ) -> LegLoad:
+        """What one leg of request `i` puts on `engine`, as the gateway reserves it (`Decision.leg_load`)."""
+        w = self.workload[i]
+        cached, survival = int(c.cached_tokens[engine]), float(c.cache_survival[engine])
+        return leg_load(leg, w.prompt_len, w.max_tokens, cached, kv_due_s, prefill_s, survival)
 
     def _reserve(self, engine: int, request_id: str, leg: LegLoad, t: float) -> None:
         self.in_flight[engine] += 1
@@ -379,6 +401,8 @@ class Replay:
         engines, stats = self.sim.engines, self.stats
         for k in self.dirty:
             stats[:, k] = self._stats_row(k)
+            c, r = engines[k].counters, self.reserved[k]
+            self.survival[k].observe(c.prefix_hits, c.prefix_queries, r.indexed_tokens, r.queried_tokens)
         self.dirty.clear()
         cached = np.zeros(len(engines), dtype=np.int64)
         if self.sim.prefix_lookup:
@@ -397,6 +421,7 @@ class Replay:
             capacity=base.capacity.copy(),
             kv_usage=stats[7].copy(),
             cached_tokens=cached,
+            cache_survival=np.fromiter((s.factor for s in self.survival), dtype=float, count=len(engines)),
             **load_columns(*stats[:7], head=stats[8:], now=now),
             kv_due_rows=due_rows,
             kv_due_s=due_s,

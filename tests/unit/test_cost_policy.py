@@ -71,6 +71,15 @@ def test_a_cached_prefix_can_outweigh_compute(deepseek):
     assert plan.aggregated[0] == 1
 
 
+def test_a_prefix_the_backend_keeps_evicting_before_admission_does_not(deepseek):
+    """The index says the MI308X holds 7,900 tokens, but its prompts lately found a tenth of what the
+    index promised (`Candidates.cache_survival`): priced at that share, the prefix is not worth it."""
+    c = cluster(cached=(0, 7900))
+    c.cache_survival = np.array([1.0, 0.1])
+    plan = build_router("cost", model=deepseek).plan(long_prompt(), c)
+    assert plan.aggregated[0] == 0
+
+
 def test_queued_work_moves_traffic_off_a_busy_fast_backend(deepseek):
     router = build_router("cost", model=deepseek)
     assert router.plan(long_prompt(), cluster((queued(20), BackendStats()))).aggregated[0] == 1

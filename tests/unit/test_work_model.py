@@ -9,8 +9,8 @@ import pytest
 
 from scoring.catalog import ModelSpec, load_catalog
 from scoring.cost import Hardware, causal_pairs, step_time
-from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel, leg_loads, load_columns, planned_prefill_s
-from scoring.types import Mode, Prediction
+from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel, leg_load, load_columns, planned_prefill_s
+from scoring.types import Prediction
 
 CATALOG = load_catalog()
 R1 = CATALOG.model("deepseek-r1")
@@ -213,6 +213,7 @@ def test_a_leg_carries_the_prefill_seconds_its_plan_priced_on_its_backend():
         (None, "aggregated", 1),
     ]:
         assert math.isnan(planned_prefill_s(predicted, leg, row)), (predicted, leg, row)
-    first, second = leg_loads(Mode.PD, 1000, 8, 200, kv_due_s=3.0, prefill_s=0.4)
+    first = leg_load("prefill", 1000, 8, 200, prefill_s=0.4)
+    second = leg_load("decode", 1000, 8, 0, kv_due_s=3.0, prefill_s=0.4)
     assert (first.prefill_tokens, first.prefill_s) == (800, 0.4)
-    assert second is not None and math.isnan(second.prefill_s)  # the decode leg computes no prompt
+    assert math.isnan(second.prefill_s)  # the decode leg computes no prompt
