@@ -122,6 +122,15 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.prefix_survival = Gauge(
+            "hetgate:prefix_cache_survival",
+            "Share of the cached prefix the index promised that this backend's prompts found when vLLM "
+            "admitted them, lately (vLLM's prefix cache counters against the gateway's own; 1: all of it). "
+            "The cost policy counts cached prompt tokens at this share",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.healthy = Gauge(
             "hetgate:backend_healthy",
             "1 when the backend takes traffic",
@@ -274,7 +283,14 @@ class GatewayMetrics:
         mode the files keep a removed series, so it is zeroed first."""
         if self._backends.pop(backend_id, None) is None:
             return
-        for gauge in (self.healthy, self.in_flight, self.pending_decodes, self.cluster_in_flight):
+        gauges = (
+            self.healthy,
+            self.in_flight,
+            self.pending_decodes,
+            self.cluster_in_flight,
+            self.prefix_survival,
+        )
+        for gauge in gauges:
             gauge.labels(backend_id).set(0)
             gauge.remove(backend_id)
         labels = self._info_labels.pop(backend_id)
@@ -292,6 +308,7 @@ class GatewayMetrics:
         self.in_flight.labels(backend_id).set(backend.in_flight)
         self.pending_decodes.labels(backend_id).set(len(backend.reserved.kv_due))
         self.cluster_in_flight.labels(backend_id).set(backend.in_flight + backend.remote_in_flight)
+        self.prefix_survival.labels(backend_id).set(backend.survival.factor)
 
     def legs_ended(self, backends: Iterable[BackendState]) -> None:
         """A request gave its backends back: with several workers, write their in-flight gauges now,

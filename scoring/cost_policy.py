@@ -98,6 +98,12 @@ from scoring.types import (
 
 _CLIP = CLIP  # the transfer corrections, as the compute ones
 _TPOT_CLIP = (0.5, 4.0)
+# A split meets the TTFT target only if it would at this quantile of its pair's measured over predicted
+# TTFT (`_learn_headroom`): the goodput target's share of requests. The running quantile moves by this
+# much (log) per split served, and never below the prediction itself.
+_SPLIT_QUANTILE = 0.9
+_HEADROOM_STEP = 0.05
+_HEADROOM_CLIP = (1.0, 10.0)
 _PLANNED_KEPT = 64  # per backend: more than a step's worth of queued prompts
 _Key = TypeVar("_Key", str, tuple[str, str])  # what a correction is kept per: backend, or transfer pair
 # A `Prediction`'s fields in order, less `joined` (what `CostRanker._route` builds it from).
@@ -123,8 +129,9 @@ class _Cluster:
     work: WorkModel
     price: np.ndarray  # compute weight of one second on each backend
     kv_limit: np.ndarray  # the KV tokens a plan may fill (95 % of the capacity)
-    # [3, p, d]: the pair correction, seconds per KV token (without the fixed latency), the fixed latency;
-    # one array so a plan's pairs take all three at once (`_best_pair`).
+    # [4, p, d]: the pair correction, seconds per KV token (without the fixed latency), the fixed latency,
+    # the split's TTFT headroom (`_learn_headroom`); one array so a plan's pairs take all four at once
+    # (`_best_pair`).
     links: np.ndarray
     fastest_prefill: ScalarStepTime  # the backend with the most compute, alone
     fastest_prefill_row: int
@@ -133,10 +140,13 @@ class _Cluster:
     compute_factor: np.ndarray
     tpot_factor: np.ndarray  # measured over predicted TPOT (the SLO check's correction)
     pair_factor: np.ndarray  # [p, d], a view of `links[0]`
+    headroom: np.ndarray  # [p, d], a view of `links[3]`
 
-    def set_pair_factor(self, pair: tuple[str, str], value: float) -> None:
+    def set_pair(self, kind: str, pair: tuple[str, str], value: float) -> None:
+        """Write a pair's learnt `pair` correction or `headroom` where the pricing reads it."""
         if pair[0] in self.rows and pair[1] in self.rows:
-            self.pair_factor[self.rows[pair[0]], self.rows[pair[1]]] = value
+            array = self.pair_factor if kind == "pair" else self.headroom
+            array[self.rows[pair[0]], self.rows[pair[1]]] = value
 
 
 @dataclass(slots=True)
@@ -201,6 +211,7 @@ class CostRanker(SimpleRanker):
         self._tpot_prior = 1.0
         self._tpot_outcomes: dict[str, int] = {}  # outcomes learnt per backend (`_rate`)
         self._pair_outcomes: dict[tuple[str, str], int] = {}  # and per transfer pair
+        self._headroom: dict[tuple[str, str], float] = {}  # per transfer pair (`_learn_headroom`)
         self._planned: dict[str, deque[Joined]] = {}  # per backend, the last prefills planned
 
     # --- pricing ---------------------------------------------------------------------------------------
@@ -472,7 +483,7 @@ class CostRanker(SimpleRanker):
         pr, dr = prefill_rows[:, None], decode_rows
         # The pairs as flat [p * n + d] positions: `take` along one axis is cheaper than a broadcast
         # fancy index over two.
-        links = cl.links.reshape(3, -1).take(pr * len(c) + dr, axis=1)
+        links = cl.links.reshape(4, -1).take(pr * len(c) + dr, axis=1)
         transfer = links[0] * (links[1] * request.prompt_tokens + links[2])
         # Each side's part of a pair's time and cost, then the [prefill, decode] matrices.
         ready = p.ttft[pr] + transfer
@@ -481,7 +492,10 @@ class CostRanker(SimpleRanker):
         ttft = ready + (p.first_step * cl.tpot_factor)[dr]
         finish = ready + (decode_time + decode_harm)[dr] + prefill_harm[pr]
         cost = (p.compute_cost + prefill_harm)[pr] + (p.decode_price + decode_harm)[dr]
-        ok = (ttft <= slo[0]) & (p.tpot_seen[dr] <= slo[1]) & p.kv_ok[dr]
+        # A split whose prefiller could serve the request whole must meet the TTFT target at its pair's
+        # learnt headroom (`_learn_headroom`); one from a prefill-only backend is the only way to use it.
+        room = np.where(c.can_decode[pr], links[3], 1.0)
+        ok = (ttft * room <= slo[0]) & (p.tpot_seen[dr] <= slo[1]) & p.kv_ok[dr]
         same = pr == dr
         if same.all():
             return None
@@ -527,12 +541,34 @@ class CostRanker(SimpleRanker):
         if outcome.leg is Leg.DECODE:
             first_step = pred.ttft_s - pred.wait_s - pred.compute_s - pred.transfer_s
             pair = (outcome.peer_id, outcome.backend_id)
+            if math.isfinite(outcome.request_ttft_s) and pred.ttft_s > 0:
+                self._learn_headroom(pair, outcome.request_ttft_s / pred.ttft_s)
             old, rate = self._pair_correction.get(pair, 1.0), self._rate(self._pair_outcomes, pair)
             t = self._learn(old, outcome.ttft_s, pred.transfer_s, first_step, rate)
             if t is not None:
-                self._pair_correction[pair] = t
-                for cl in self._clusters.values():  # the arrays the pricing reads
-                    cl.set_pair_factor(pair, t)
+                self._set_pair("pair", pair, t)
+
+    def _set_pair(self, kind: str, pair: tuple[str, str], value: float) -> None:
+        """Keep a pair's `pair` correction or `headroom`, and put it in every cluster's arrays."""
+        (self._pair_correction if kind == "pair" else self._headroom)[pair] = value
+        for cl in self._clusters.values():
+            cl.set_pair(kind, pair, value)
+
+    def _learn_headroom(self, pair: tuple[str, str], ratio: float) -> None:
+        """Move a pair's headroom, a running `_SPLIT_QUANTILE` quantile of its splits' measured over
+        predicted TTFT (the whole request's), by one stochastic step in log space: up by
+        `_HEADROOM_STEP * q` when a split took longer than the headroom allowed, down by
+        `_HEADROOM_STEP * (1 - q)` otherwise, so it rests where a share 1 - q of splits exceed it.
+
+        Splits priced right on average were planned to the edge of the TTFT target and half of them
+        missed it (B200 + 2x H100: the decode part of a split's TTFT took 0.66x its prediction at the
+        median and 3.2x at the 90th percentile in bursts); serving whole does not have those parts.
+        `_best_pair` holds a split to it only where its prefiller could serve the request whole: a
+        prefill-only backend (the Rubin CPX) is used by splits alone, and held to it, its bursts went
+        whole to the H100s instead (docs/policies.md, sixteenth pass). A pair never measured has none."""
+        old = self._headroom.get(pair, 1.0)
+        step = _HEADROOM_STEP * (_SPLIT_QUANTILE if ratio > old else _SPLIT_QUANTILE - 1.0)
+        self._set_pair("headroom", pair, float(np.clip(old * math.exp(step), *_HEADROOM_CLIP)))
 
     def _learn_tpot(self, backend: str, measured: float, predicted: float) -> None:
         """Move a backend's TPOT correction by `_rate` of the relative error of its corrected
@@ -620,6 +656,7 @@ class CostRanker(SimpleRanker):
         named.update({f"queue/{b}": f.queue for b, f in self._fits.items()})
         named.update({f"tpot/{b}": k for b, k in self._tpot_correction.items()})
         named.update({f"pair/{a}/{b}": k for (a, b), k in self._pair_correction.items()})
+        named.update({f"headroom/{a}/{b}": k for (a, b), k in self._headroom.items()})
         return named
 
     def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None:
@@ -638,13 +675,13 @@ class CostRanker(SimpleRanker):
                 self._fit(ids).move_to(queue=_halfway(self.queue_correction(ids), target, _CLIP))
             elif kind == "tpot":
                 self._tpot_correction[ids] = _halfway(self.tpot_correction(ids), target, _TPOT_CLIP)
-            elif kind == "pair" and "/" in ids:
+            elif kind in ("pair", "headroom") and "/" in ids:
                 source, _, target_id = ids.partition("/")
                 pair = (source, target_id)
-                factor = _halfway(self._pair_correction.get(pair, 1.0), target, _CLIP)
-                self._pair_correction[pair] = factor
-                for cl in self._clusters.values():
-                    cl.set_pair_factor(pair, factor)
+                mine, clip = (
+                    (self._pair_correction, _CLIP) if kind == "pair" else (self._headroom, _HEADROOM_CLIP)
+                )
+                self._set_pair(kind, pair, _halfway(mine.get(pair, 1.0), target, clip))
         self._refresh_compute_factors()
         self._refresh_tpot_factors()
 
@@ -662,7 +699,8 @@ class CostRanker(SimpleRanker):
             latency = kv_transfer_time(self.model, column, row, 0, self.efficiency)
             per_token = kv_transfer_time(self.model, column, row, 1, self.efficiency) - latency
             pair_factor = [[self._pair_correction.get((a.id, b.id), 1.0) for b in specs] for a in specs]
-            links = np.array([pair_factor, per_token, latency], dtype=float)
+            headroom = [[self._headroom.get((a.id, b.id), 1.0) for b in specs] for a in specs]
+            links = np.array([pair_factor, per_token, latency, headroom], dtype=float)
             work = WorkModel(self.model, hw, self.efficiency, self.chunk_tokens)
             cl = _Cluster(
                 specs,
@@ -676,7 +714,8 @@ class CostRanker(SimpleRanker):
                 {s.id: i for i, s in enumerate(specs)},
                 np.array([self.correction(s.id) for s in specs]),
                 np.array([self.tpot_correction(s.id) for s in specs]),
-                links[0],  # set_pair_factor writes there, so into `links`
+                links[0],  # set_pair writes there, so into `links`
+                links[3],
             )
             self._clusters[key] = cl
         self._last = cl

@@ -63,6 +63,7 @@ def outcomes_of(m: Measured, predicted: Prediction | None) -> tuple[Outcome, ...
             peer_id=m.prefill_backend_id,
             predicted=predicted,
             tpot_s=tpot,
+            request_ttft_s=m.first_token_s - m.start_s,
         )
         return prefill, decode
     aggregated = Outcome(

@@ -299,6 +299,8 @@ class Outcome:
     peer_id: str = ""
     predicted: Prediction | None = None
     tpot_s: float = 0.0
+    # A split's decode leg: the whole request's TTFT, from its start (NaN for the other legs).
+    request_ttft_s: float = math.nan
 
 
 @dataclass(frozen=True, slots=True)

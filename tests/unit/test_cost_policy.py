@@ -212,6 +212,7 @@ def test_each_split_leg_is_credited_to_its_backend(deepseek):
         "pre",
     )
     assert decode.ttft_s == pytest.approx(0.5) and decode.tpot_s == pytest.approx(0.1)
+    assert decode.request_ttft_s == pytest.approx(2.5)  # the whole request's, for the pair's headroom
     ranker = CostRanker(deepseek)
     ranker.observe(prefill)
     ranker.observe(decode)
@@ -502,6 +503,7 @@ def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_canno
             "compute/mi308x-0": [1.0, 1.0],  # half way in log space: sqrt(4 x 1)
             "tpot/mi300x-0": [2.0, 8.0],  # the others' geometric mean is 4: sqrt(1 x 4)
             "pair/mi300x-0/mi308x-0": [9.0],
+            "headroom/mi300x-0/mi308x-0": [4.0],  # half way from none: sqrt(1 x 4)
             "compute/mi308x-1": [-1.0, 0.0],  # not a correction
             "queue/mi308x-0": [16.0],  # half way: sqrt(4 x 16)
             "size/mi300x-0": [5.0],  # not a kind it learns
@@ -513,10 +515,11 @@ def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_canno
     assert ranker.tpot_correction("mi300x-0") == pytest.approx(2.0)
     learnt = ranker.calibration()
     assert learnt["pair/mi300x-0/mi308x-0"] == pytest.approx(3.0)
+    assert learnt["headroom/mi300x-0/mi308x-0"] == pytest.approx(2.0)
     assert ranker.queue_correction("mi308x-0") == pytest.approx(8.0, rel=0.02)
     assert set(learnt) == {
         "compute/mi300x-0", "compute/mi308x-0", "queue/mi300x-0", "queue/mi308x-0", "tpot/mi300x-0",
-        "pair/mi300x-0/mi308x-0",
+        "pair/mi300x-0/mi308x-0", "headroom/mi300x-0/mi308x-0",
     }  # fmt: skip
     # The pricing reads the blended factors (rows: mi300x-0, mi308x-0).
     roofline = CostRanker(deepseek).predicted_ttft(long_prompt(), cluster())
@@ -524,8 +527,8 @@ def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_canno
 
 
 def test_a_learnt_pair_correction_reaches_the_transfer_the_split_is_priced_with(deepseek):
-    """The pair corrections are a view of the cluster's [correction, per token, latency] array that
-    splits read: a correction learnt after the cluster was built is in the next plan's transfer."""
+    """The pair corrections are a view of the cluster's [correction, per token, latency, headroom] array
+    that splits read: a correction learnt after the cluster was built is in the next plan's transfer."""
     router = build_router("cost", "always", model=deepseek)
     c = cluster(roles=(P, D))  # prefill on mi300x-0, decode on mi308x-0
     cl = router.ranker._cluster(c.specs)
@@ -693,3 +696,52 @@ def test_an_idle_backends_step_starts_at_once_and_takes_no_later_prompt(llama):
     )
     router.plan(request, one_b200(queued, now=5.0))  # the same instant: the step already runs
     assert first.joined.seconds == 0.0
+
+
+def test_a_splits_headroom_is_the_90th_percentile_of_its_pairs_ttft_error(deepseek):
+    """Fed measured over predicted TTFTs of one pair's splits, the headroom settles at their 90th
+    percentile (a stochastic quantile: within 10 % after 2,000 splits)."""
+    ranker = CostRanker(deepseek)
+    ratios = np.random.default_rng(4).lognormal(0.0, 0.4, 2000)
+    pred = Prediction(compute_s=1.0, transfer_s=0.1, ttft_s=1.2, roofline_compute_s=1.0)
+    for ratio in ratios:
+        ranker.observe(
+            Outcome(
+                "dec", Mode.PD, 8000, 0, 64, 0.1, 1.0, Leg.DECODE, "pre", pred, request_ttft_s=1.2 * ratio
+            )
+        )
+    assert ranker.calibration()["headroom/pre/dec"] == pytest.approx(np.quantile(ratios, 0.9), rel=0.1)
+
+
+def test_a_split_meets_the_ttft_target_only_with_its_pairs_headroom(deepseek):
+    """The MI300X prefills, the MI308X decodes: the split wins while it meets the TTFT target. Once the
+    pair's splits have taken up to twice their predicted TTFT, a split predicted at 60 % of the target
+    no longer counts as meeting it, and the request is served whole on the MI300X, which meets it.
+    Only where the prefiller could serve it whole: the headroom weighs a split against that."""
+    router = build_router("cost", "auto", pd_min_prompt_tokens=0, model=deepseek)
+    split = router.plan(long_prompt(), cluster()).predicted
+    assert split is not None
+    request = long_prompt(slo_ttft_s=split.ttft_s / 0.6)
+    plan = router.plan(request, cluster())
+    assert (plan.mode, plan.reason) == (Mode.PD, "split")
+    for _ in range(100):
+        router.observe(
+            Outcome(
+                "mi308x-0",
+                Mode.PD,
+                8000,
+                0,
+                64,
+                0.1,
+                1.0,
+                Leg.DECODE,
+                "mi300x-0",
+                split,
+                request_ttft_s=2.0 * split.ttft_s,
+            )
+        )
+    plan = router.plan(request, cluster())
+    assert (plan.mode, plan.reason, plan.aggregated[0]) == (Mode.AGGREGATED, "split_costlier", 0)
+    # A prefill-only MI300X cannot serve it whole: the split is the only way to use it, and keeps it.
+    plan = router.plan(request, cluster(roles=(P, BOTH)))
+    assert (plan.mode, plan.reason) == (Mode.PD, "split")
