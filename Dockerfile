@@ -2,7 +2,9 @@
 #   docker run -p 8000:8000 -v $PWD/my-config.yaml:/etc/hetgate/config.yaml hetgate
 FROM python:3.11-slim
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# Routing's compiled kernels (scoring/jit.py) are compiled while the image is built and cached here, where
+# the gateway's user may read and write them (site-packages is not writable at run time).
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/var/cache/hetgate/numba
 WORKDIR /opt/hetgate
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
@@ -12,7 +14,9 @@ COPY bench ./bench
 COPY configs ./configs
 # A regular install: the wheel carries configs/ (as the package hetgate_configs) and the traces.
 RUN pip install --no-cache-dir . \
-    && useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin hetgate
+    && useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin hetgate \
+    && cd / && python -c "from scoring.cost_policy import compile_kernels; compile_kernels()" \
+    && chown -R hetgate "$NUMBA_CACHE_DIR"
 
 USER hetgate
 EXPOSE 8000

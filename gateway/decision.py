@@ -27,7 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import BackendState, ModelPool, Registry
 from gateway.schemas import ParsedRequest, estimate_prompt_tokens
 from scoring.catalog import load_catalog
-from scoring.cost_policy import Slo
+from scoring.cost_policy import Slo, compile_kernels
 from scoring.load import leg_load, planned_prefill_s
 from scoring.outcome import Measured, outcomes_of
 from scoring.router import build_router
@@ -81,6 +81,9 @@ def needs_prompt_tokens(config: GatewayConfig, routers: dict[str, Router]) -> bo
 
 
 def build_routers(config: GatewayConfig) -> dict[str, Router]:
+    """One router per model, its compiled kernels ready (scoring/jit.py): compiled on the first
+    request, that request and the event loop would wait ~15 s (a second when numba's cache has them)."""
+    compile_kernels()
     routing = config.routing
     routers: dict[str, Router] = {}
     for model in config.models:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from scoring.catalog import Accelerator, ModelSpec
+from scoring.jit import kernel, ufunc
 
 ArrayLike = np.ndarray | float | int
 TB = 1e12
@@ -184,6 +185,23 @@ class StepCoefficients:
             seq_s=seq_overhead(hw, eff),
         )
 
+    def weights(self) -> np.ndarray:
+        """What `weight_bytes_read` needs of the model, as `one_step` takes it: the always-on weight bytes,
+        the bytes of one expert across the MoE layers, the routed experts (0: dense) and the chance a
+        token leaves a given expert out."""
+        model = self.model
+        always = (model.total_params - model.routed_params) * model.weight_bytes_per_param
+        if model.moe is None:
+            return np.array([always, 0.0, 0.0, 1.0])
+        routed = model.moe.routed_experts
+        expert = model.moe_layers * model.expert_params * model.weight_bytes_per_param
+        return np.array([always, expert, routed, 1.0 - model.moe.experts_per_token / routed])
+
+    def table(self) -> np.ndarray:
+        """The per-backend coefficients as one C-ordered [6, backends] array, in `one_step`'s order."""
+        columns = (self.linear_s, self.byte_s, self.pair_s, self.kv_s, self.overhead_s, self.seq_s)
+        return np.ascontiguousarray(np.stack(columns), dtype=float)
+
     def __call__(
         self,
         prefill_tokens: ArrayLike,
@@ -192,13 +210,45 @@ class StepCoefficients:
         decode_context: ArrayLike,
     ) -> np.ndarray:
         """Seconds for one engine step per backend (see `step_time`); inputs broadcast against the rows."""
-        batch = np.asarray(decode_batch, dtype=float)
-        context = np.asarray(decode_context, dtype=float)
-        tokens = prefill_tokens + batch
-        gemm = np.maximum(self.linear_s * tokens, weight_bytes_read(self.model, tokens) * self.byte_s)
-        attention = np.maximum(self.pair_s * (prefill_pairs + context), self.kv_s * context)
-        seconds = gemm + attention + self.seq_s * batch + self.overhead_s
-        return np.where(tokens > 0, seconds, 0.0)
+        w = self.weights()
+        columns = (self.linear_s, self.byte_s, self.pair_s, self.kv_s, self.overhead_s, self.seq_s)
+        inputs = (prefill_tokens, prefill_pairs, decode_batch, decode_context)
+        floats = [np.asarray(x, dtype=float) for x in (*inputs, *columns)]
+        return np.asarray(_step_ufunc(*floats, *w))
+
+
+def _one_step(
+    prefill_tokens: float,
+    prefill_pairs: float,
+    batch: float,
+    context: float,
+    linear_s: float,
+    byte_s: float,
+    pair_s: float,
+    kv_s: float,
+    overhead_s: float,
+    seq_s: float,
+    always_bytes: float,
+    expert_bytes: float,
+    routed: float,
+    keep: float,
+) -> float:
+    """Seconds for one engine step on one backend: the formula in the module's docstring, written once.
+    Coefficients as `StepCoefficients` folds them, the model's weights as `StepCoefficients.weights`."""
+    tokens = prefill_tokens + batch
+    if not tokens > 0:
+        return 0.0
+    if routed > 0:  # always-on weights, plus the experts some token picked (`expected_experts`)
+        weights = always_bytes + expert_bytes * (routed * (1.0 - keep**tokens))
+    else:
+        weights = always_bytes + 0.0 * tokens
+    gemm = max(linear_s * tokens, weights * byte_s)
+    attention = max(pair_s * (prefill_pairs + context), kv_s * context)
+    return gemm + attention + seq_s * batch + overhead_s
+
+
+one_step = kernel(_one_step)  # for other kernels (`scoring/load.py`)
+_step_ufunc = ufunc(_one_step)  # for arrays that broadcast
 
 
 def step_time(

@@ -81,10 +81,12 @@ from scoring.cost import (
     ScalarStepTime,
     kv_transfer_time,
 )
-from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel
-from scoring.router import Rotation, SimpleRanker, SplitSettings
+from scoring.jit import kernel
+from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel, steps_kernel
+from scoring.router import Rotation, SimpleRanker, SplitSettings, rotated
 from scoring.types import (
     BackendSpec,
+    BackendStats,
     Candidates,
     Disaggregation,
     Joined,
@@ -93,6 +95,7 @@ from scoring.types import (
     Outcome,
     Prediction,
     RequestFeatures,
+    Role,
     RoutePlan,
 )
 
@@ -151,6 +154,10 @@ class _Cluster:
 
 @dataclass(slots=True)
 class _Priced:
+    """The SLO a request was priced under, and `_price`'s figures per backend (`_price_rows`' rows, in
+    this order)."""
+
+    slo: tuple[float, float]  # (TTFT, TPOT) targets
     wait: np.ndarray
     compute: np.ndarray
     ttft: np.ndarray  # wait + compute: an aggregated plan's TTFT, a split's until its transfer
@@ -169,6 +176,17 @@ class _Priced:
     delay: np.ndarray  # how much later the queued prompts that share this prefill's step finish, in all
     opens: np.ndarray  # seconds until the step a new prefill joins starts (later prompts may join it)
     waiting: np.ndarray  # prompt tokens queued behind the step in progress (`Steps.waiting`)
+    prefill_harm: np.ndarray  # the delay a plan imposes as its prefill side, weighted (`_harm`)
+    decode_harm: np.ndarray  # and as its decode side
+    agg_ok: np.ndarray  # serving whole meets the SLO
+    agg_finish: np.ndarray  # serving whole: TTFT + M * TPOT + the delay it imposes
+    agg_cost: np.ndarray  # serving whole: the cluster's compute it takes + the delay it imposes
+
+
+# `_Priced`'s rows as `_price_rows` writes them (constants to the compiled kernel)
+_PRICED_ROWS = 23
+wait_, compute_, ttft_, ccost_, dprice_, tseen_, rwait_, rcomp_, tpot_, first_, dcost_ = range(11)
+kv_ok_, step_, stall_, seqs_, delay_, opens_, waiting_, pharm_, dharm_, aok_, afin_, acost_ = range(11, 23)
 
 
 class CostRanker(SimpleRanker):
@@ -218,110 +236,24 @@ class CostRanker(SimpleRanker):
     def _price(
         self, request: RequestFeatures, c: Candidates, cl: _Cluster, idle_is_free: bool = False
     ) -> _Priced:
+        """Every plan's figures per backend (`_Priced`), under the request's SLO targets: `_price_rows`
+        in one compiled loop over the backends (as numpy, ~300 calls of ~1 us on 64 rows)."""
         work = cl.work
-        prompt, out = request.prompt_tokens, max(request.max_tokens, 1)
-        k = cl.compute_factor
-        seqs, context = c.decode_seqs, work.context(c.context_tokens, c.kv_usage, c.context_when_reported)
-        # What each backend should still hold at admission; vLLM recomputes the last token.
-        cached = np.minimum(c.surviving_cached(), max(prompt - 1, 0))
-        new = prompt - cached
-        own = prompt + out / 2.0
-        # The step in progress began `step_elapsed` seconds ago on the clock: 1/k of that in the
-        # roofline's seconds, which the compute correction k scales to the clock's.
-        elapsed = c.step_elapsed / k
-        queued = (c.prefill_tokens, c.prefill_len, c.step_tokens, elapsed, c.step_behind)
-        s = work.steps(new, cached, own, seqs, context, *queued)
-        base, step = s.base, s.step
-        queue = k * s.wait
-        # A request that arrives mid-step waits for that step to end (`s.mid_step`: half a decode step
-        # on average where no prefill step is known to be in progress; `s.wait` has what is left of one
-        # that is). Counted for every plan alike, since a split's decode leg waits for step boundaries
-        # too (below): counted for splits alone, it made them look slower than serving whole (bursts on
-        # B200 + 2x H100, `auto`: 17 -> 3.6 requests/s of SLO capacity).
-        mid_step = s.mid_step
-        wait = queue + mid_step
-        roofline_wait = s.wait + mid_step  # what calibration fits its queue factor on
-        compute = k * s.prefill
-        # The marginal decode step. A backend's first sequence pays the step's fixed part (weights read,
-        # overhead) unless `idle_is_free`: see `choose`.
-        decode_cost = out * (step - (np.maximum(base, work.fixed_step) if idle_is_free else base))
-        # Chunked prefill shares the decode steps: the prefill queued here stretches them (taken as
-        # the backend's ongoing prefill traffic).
-        tpot = step + queue / out
-        # A split's decode leg joins the waiting queue behind that prefill (vLLM admits waiting requests
-        # first come, first served, while a step's token budget lasts), so it is admitted in the step of
-        # that prefill's last chunk; then its KV is pulled, it waits for the next step boundary and runs
-        # one step: about two steps besides the steps ahead and the transfer. Priced as one step after
-        # one chunk, the pair corrections learnt the rest as transfer time (10x, their clip, on the AMD
-        # seed cluster's conversations).
-        ahead = k * s.ahead
-        first_step = 2.0 * step + ahead
-        # The step a new prefill joins starts when the steps ahead of it have run; until then later
-        # prompts may join it (`_join`).
-        opens = mid_step + ahead
-        kv_ok = context + prompt + out <= cl.kv_limit
-        stall = k * s.stall
-        ttft = wait + compute
-        delay = compute * _cobatched(s.waiting, c.prefill_len, new, self.chunk_tokens)
-        if c.kv_due_rows.size:
-            delay = delay + _held_up(c.kv_due_rows, c.kv_due_s, ttft, compute)
-        price = cl.price
-        return _Priced(
-            wait,
-            compute,
-            ttft,
-            price * compute,
-            price * decode_cost,
-            tpot * cl.tpot_factor,
-            roofline_wait,
-            s.prefill,
-            tpot,
-            first_step,
-            decode_cost,
-            kv_ok,
-            step,
-            stall,
-            seqs,
-            delay,
-            opens,
-            s.waiting,
+        slo = self._targets(request, cl)
+        f = np.float64
+        columns = (c.cached_tokens, c.cache_survival, c.decode_seqs, c.context_tokens, c.kv_usage,
+                   c.context_when_reported, c.prefill_tokens, c.prefill_len, c.step_tokens, c.step_elapsed,
+                   c.step_behind)  # fmt: skip
+        rows = _price_rows(
+            (work.table, work.weights, float(self.chunk_tokens)),
+            (float(request.prompt_tokens), float(max(request.max_tokens, 1)), idle_is_free, *slo),
+            (cl.compute_factor, cl.tpot_factor, cl.price, cl.kv_limit, work.fixed_step, work.kv_capacity),
+            tuple([np.asarray(x, dtype=f) for x in columns]),
+            (np.asarray(c.kv_due_rows, dtype=np.int64), np.asarray(c.kv_due_s, dtype=f)),
         )
-
-    @staticmethod
-    def _harm(p: _Priced, out: int, slo: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
-        """The delay a plan imposes on the requests already there (per backend: as the prefill side,
-        as the decode side), each weighted by how close it brings them to their target (1 at or past
-        it, 0 without a target: a pure throughput objective counts only the plan's own time):
-
-        - the sequences decoding: chunked prefill puts every prefill chunk into their steps, so each
-          waits for the whole prefill (spread over about this request's output length); one more
-          sequence lengthens each of their steps (TPOT target);
-        - the prompts queued in the step this prefill joins: vLLM fills a step with waiting prompts
-          up to its token budget and they all finish with it, so a prompt planned later delays those
-          planned before it (TTFT target; the queue ahead stands for theirs). Without it, a burst of
-          requests went to the backend that finished each one first, one at a time, and the earlier
-          ones missed their TTFT (bursty@nvidia: 15 % missed at 2 % load).
-
-        Each delay counts as the share it takes of its phase's budget: a queued prompt's TTFT target,
-        a decoding sequence's output times its TPOT target (this request's targets and output length
-        stand for theirs), in seconds of this request's whole budget, TTFT plus output times TPOT, the
-        scale of its own finish. A second of a prompt's TTFT then counts as a second of the whole
-        budget over the TTFT target (14x on the bursty trace), a second spread over a decode's output
-        as a little more than one. Counted as seconds alike, a 24 ms stall of 16 decodes 128 tokens
-        long outweighed 18 ms of 8 queued prompts' TTFT, so a burst's prompts were stacked on the
-        B200's queue and the first of them missed their TTFT (B200 + 2x H100 bursts without the split
-        gate: goodput 0.81 at 30 requests/s, 0.92 by budget share).
-
-        Tried and dropped: counting it only past the target (a step function): the decoders were
-        already full when it switched on (0.66x round robin on shared system prompts)."""
-        slo_ttft, slo_tpot = slo
-        budget = slo_ttft + out * slo_tpot
-        per_ttft, per_decode = budget / slo_ttft, budget / (out * slo_tpot)
-        stalled = np.minimum((p.step + p.stall / out) / slo_tpot, 1.0)
-        queued = np.minimum(p.ttft / slo_ttft, 1.0)
-        crowded = np.minimum(p.step / slo_tpot, 1.0)
-        prefill_side = per_decode * stalled * p.seqs * p.stall + per_ttft * queued * p.delay
-        return prefill_side, per_decode * crowded * p.seqs * p.decode_cost
+        figures: list[np.ndarray] = list(rows)
+        figures[kv_ok_], figures[aok_] = rows[kv_ok_] > 0, rows[aok_] > 0
+        return _Priced(slo, *figures)
 
     def predicted_ttft(self, request: RequestFeatures, candidates: Candidates) -> np.ndarray:
         """Aggregated TTFT on every backend (queue and own prefill, corrected)."""
@@ -364,24 +296,13 @@ class CostRanker(SimpleRanker):
         # one prefilling (dropped there too, the AMD seed case lost a third of its SLO capacity).
         idle_is_free = split.disaggregation is Disaggregation.NEVER
         p = self._price(request, c, cl, idle_is_free)
-        slo_ttft, slo_tpot = self._targets(request, cl)
-        out = max(request.max_tokens, 1)
-        # Methods, not np.flatnonzero, np.argmin, np.argpartition: their Python wrappers cost ~1-2 us
-        # a call, as much as the work on 64 rows.
-        order = self._rotate(agg_mask.nonzero()[0])
-        agg_ok = (p.ttft <= slo_ttft) & (p.tpot_seen <= slo_tpot) & p.kv_ok
-        prefill_harm, decode_harm = self._harm(p, out, (slo_ttft, slo_tpot))
-        harm = prefill_harm + decode_harm
-        agg_finish = p.ttft + out * p.tpot + harm
-        agg_cost = p.compute_cost + p.decode_price + harm
-        agg_key = _order(order, agg_cost[order], agg_finish[order], agg_ok[order], self.cost_tolerance)
-        aggregated = tuple(agg_key.tolist())
+        agg_cost, agg_finish, agg_ok = p.agg_cost, p.agg_finish, p.agg_ok
+        ranked = _ranked(agg_mask, self._rotate.take(), agg_cost, agg_finish, agg_ok, self.cost_tolerance)
+        aggregated = tuple(ranked.tolist())
         best_agg = aggregated[0]
         pair = None
         if split.disaggregation is not Disaggregation.NEVER:
-            pair = self._best_pair(
-                request, c, cl, p, split, (slo_ttft, slo_tpot), (prefill_harm, decode_harm)
-            )
+            pair = self._best_pair(request, c, cl, p, split)
         agg_pred = (
             float(p.wait[best_agg]), float(p.compute[best_agg]), 0.0, float(p.ttft[best_agg]),
             float(p.tpot[best_agg]), float(p.tpot_seen[best_agg]), float(p.roofline_wait[best_agg]),
@@ -459,8 +380,6 @@ class CostRanker(SimpleRanker):
         cl: _Cluster,
         p: _Priced,
         split: SplitSettings,
-        slo: tuple[float, float],
-        harms: tuple[np.ndarray, np.ndarray],
     ) -> tuple[tuple[int, ...], tuple[int, ...], _Predicted, tuple[bool, float, float]] | None:
         """The best (prefill, decode) pair with the fallbacks of each leg, or None when no pair is
         allowed. Vectorised over the pairs of the `shortlist` best of each side (by time and by cost):
@@ -468,59 +387,23 @@ class CostRanker(SimpleRanker):
         among them, and 64 backends price 16 x 16 pairs instead of 4,032. Each side's figures are
         taken for its rows by one fancy index each ([prefill, 1] and [decode] rows broadcast to the
         [prefill, decode] matrices), not by `np.ix_` and a temporary per figure."""
-        prefill_rows = (c.healthy & c.can_prefill).nonzero()[0]
-        decode_rows = (c.healthy & c.can_decode).nonzero()[0]
-        if split.disaggregation is Disaggregation.AUTO:
-            lacking = request.prompt_tokens - c.surviving_cached()[decode_rows]
-            decode_rows = decode_rows[lacking >= split.pd_min_prompt_tokens]
-        if prefill_rows.size == 0 or decode_rows.size == 0:
+        auto = split.disaggregation is Disaggregation.AUTO
+        turn = self._rotate.turn
+        found, pi, di, feasible, cost, finish, transfer, ttft, prefills, decodes = _split(
+            (c.healthy, c.can_prefill, c.can_decode), c.surviving_cached(), float(request.prompt_tokens),
+            float(split.pd_min_prompt_tokens) if auto else -np.inf, turn, float(max(request.max_tokens, 1)),
+            (p.ttft, p.compute_cost, p.prefill_harm), (p.first_step, p.tpot, p.decode_harm, p.decode_price,
+            p.tpot_seen, p.kv_ok), (cl.links, cl.tpot_factor), (*p.slo, self.cost_tolerance),
+        )  # fmt: skip
+        if found != _NO_ROWS:
+            self._rotate.turn = turn + 2  # `_split` rotated both sides
+        if found != _FOUND:
             return None
-        out = max(request.max_tokens, 1)
-        prefill_harm, decode_harm = harms
-        decode_time = p.first_step + out * p.tpot
-        prefill_rows = self._rotate(_shortlist(prefill_rows, p.ttft, p.compute_cost))
-        decode_rows = self._rotate(_shortlist(decode_rows, decode_time, p.decode_price))
-        pr, dr = prefill_rows[:, None], decode_rows
-        # The pairs as flat [p * n + d] positions: `take` along one axis is cheaper than a broadcast
-        # fancy index over two.
-        links = cl.links.reshape(4, -1).take(pr * len(c) + dr, axis=1)
-        transfer = links[0] * (links[1] * request.prompt_tokens + links[2])
-        # Each side's part of a pair's time and cost, then the [prefill, decode] matrices.
-        ready = p.ttft[pr] + transfer
-        # The decoder's steps as its measured TPOT corrects them: uncorrected, the pair correction
-        # learnt the decoder's step error as transfer time.
-        ttft = ready + (p.first_step * cl.tpot_factor)[dr]
-        finish = ready + (decode_time + decode_harm)[dr] + prefill_harm[pr]
-        cost = (p.compute_cost + prefill_harm)[pr] + (p.decode_price + decode_harm)[dr]
-        # A split whose prefiller could serve the request whole must meet the TTFT target at its pair's
-        # learnt headroom (`_learn_headroom`); one from a prefill-only backend is the only way to use it.
-        room = np.where(c.can_decode[pr], links[3], 1.0)
-        ok = (ttft * room <= slo[0]) & (p.tpot_seen[dr] <= slo[1]) & p.kv_ok[dr]
-        same = pr == dr
-        if same.all():
-            return None
-        finish[same] = np.inf
-        ok &= ~same
-        a, b = _best(cost, finish, ok, self.cost_tolerance)
-        pi, di = int(prefill_rows[a]), int(decode_rows[b])
-        key = (not bool(ok[a, b]), float(cost[a, b]), float(finish[a, b]))
-        # Fallbacks of each leg with the other leg fixed, in the same order.
-        col = _order(prefill_rows, cost[:, b], finish[:, b], ok[:, b], self.cost_tolerance).tolist()
-        row = _order(decode_rows, cost[a], finish[a], ok[a], self.cost_tolerance).tolist()
-        prefills = tuple([i for i in col if i != di])
-        decodes = tuple([i for i in row if i != pi])
         pred = (
-            float(p.wait[pi]),
-            float(p.compute[pi]),
-            float(transfer[a, b]),
-            float(ttft[a, b]),
-            float(p.tpot[di]),
-            float(p.tpot_seen[di]),
-            float(p.roofline_wait[pi]),
-            float(p.roofline_compute[pi]),
-            (pi, di),
-        )
-        return prefills, decodes, pred, key
+            float(p.wait[pi]), float(p.compute[pi]), transfer, ttft, float(p.tpot[di]),
+            float(p.tpot_seen[di]), float(p.roofline_wait[pi]), float(p.roofline_compute[pi]), (pi, di),
+        )  # fmt: skip
+        return tuple(prefills.tolist()), tuple(decodes.tolist()), pred, (not feasible, cost, finish)
 
     # --- calibration -----------------------------------------------------------------------------------
     def observe(self, outcome: Outcome) -> None:
@@ -722,60 +605,315 @@ class CostRanker(SimpleRanker):
         return cl
 
 
+@kernel
 def _order(
     rows: np.ndarray, cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float
 ) -> np.ndarray:
     """`rows` best-first: feasible plans within `tolerance` of the cheapest feasible cost (earliest
-    finish first), then the other feasible ones, then the infeasible ones (each by earliest finish).
-    The tiers are sort keys of their own (infeasible, then not cheap; `cheap` implies `ok`), so no
-    branch and no tier array: with nothing feasible, the cheapest is inf and nothing is cheap."""
-    cheap = ok & (cost <= np.minimum.reduce(cost, where=ok, initial=np.inf) * (1.0 + tolerance))
-    return rows[np.lexsort((finish, ~cheap, ~ok))]
+    finish first), then the other feasible ones, then the infeasible ones (each by earliest finish; a
+    tie keeps the order of `rows`). With nothing feasible, the cheapest is inf and nothing is cheap."""
+    cheapest = np.inf
+    for i in range(rows.size):
+        if ok[i]:
+            cheapest = min(cheapest, cost[i])
+    by_finish = np.argsort(finish, kind="mergesort")  # stable: ties keep their order
+    ordered = np.empty(rows.size, dtype=rows.dtype)
+    at = 0
+    for tier in range(3):  # 0: cheap (implies feasible), 1: feasible, 2: not
+        for i in by_finish:
+            cheap = ok[i] and cost[i] <= cheapest * (1.0 + tolerance)
+            if (0 if cheap else 1 if ok[i] else 2) == tier:
+                ordered[at] = rows[i]
+                at += 1
+    return ordered
 
 
 SHORTLIST = 8
 
 
+@kernel
 def _shortlist(rows: np.ndarray, time: np.ndarray, cost: np.ndarray) -> np.ndarray:
-    """`rows` reduced to the `SHORTLIST` quickest and the `SHORTLIST` cheapest (in row order); `time`
-    and `cost` are per backend, taken for `rows` only when there are more than that."""
+    """`rows` reduced to the `SHORTLIST` quickest and the `SHORTLIST` cheapest, in the order given;
+    `time` and `cost` are per backend. Ties go to the rows given first, so a rotation of `rows`
+    before it shares them among identical backends."""
     if rows.size <= 2 * SHORTLIST:
         return rows
-    # Both measures in one [2, rows] array: one gather, one partition (row by row, as two calls).
-    both = np.concatenate((time, cost)).reshape(2, -1)[:, rows]
-    keep = np.zeros(rows.size, dtype=bool)
-    keep[both.argpartition(SHORTLIST)[:, :SHORTLIST]] = True
+    keep = np.zeros(rows.size, dtype=np.bool_)
+    for measure in (time, cost):
+        keep[np.argsort(measure[rows], kind="mergesort")[:SHORTLIST]] = True
     return rows[keep]
 
 
-def _cobatched(queued: np.ndarray, prompt_len: np.ndarray, new: np.ndarray, chunk: int) -> np.ndarray:
-    """Per backend: the queued prompts that finish in the step a new prefill of `new` tokens joins (those
-    in the last, partly filled chunk of the queue), times the share of the new prefill that step takes.
-    A full last chunk leaves none: the new prefill starts a step of its own."""
-    rest = np.mod(queued, chunk)
-    new = np.maximum(new, 1.0)
-    share = np.minimum(new, chunk - rest) / new
-    return np.asarray(rest / np.maximum(prompt_len, 1.0) * share)
+@kernel
+def _price_rows(
+    engine: tuple[np.ndarray, np.ndarray, float],
+    request: tuple[float, float, bool, float, float],
+    cluster: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    load: tuple[np.ndarray, ...],
+    kv_due: tuple[np.ndarray, np.ndarray],
+) -> np.ndarray:
+    """`_Priced`'s rows for one request on every backend. `engine`: `WorkModel.table`, `.weights`, the
+    step's token budget; `request`: prompt tokens, output tokens, `idle_is_free`, the TTFT and TPOT
+    targets; `cluster`: compute and TPOT corrections, prices, KV limits, `WorkModel.fixed_step`,
+    `.kv_capacity`; `load`: `Candidates`' columns (cached tokens, cache survival, decode sequences,
+    context, KV usage, context when reported, prefill tokens, prompt length, step tokens, step
+    elapsed, step behind); `kv_due`: `Candidates.kv_due_rows`, `.kv_due_s`."""
+    table, weights, chunk = engine
+    prompt, out, idle_is_free, slo_ttft, slo_tpot = request
+    k, tpot_factor, price, kv_limit, fixed_step, kv_capacity = cluster
+    cached_tokens, survival, seqs, context_tokens, kv_usage, when_reported = load[:6]
+    prefill_tokens, prefill_len, step_tokens, step_elapsed, step_behind = load[6:]
+    n = seqs.size
+    # `WorkModel.context`; what each backend should still hold at admission (vLLM recomputes the last
+    # token); the step in progress began `step_elapsed` seconds ago on the clock: 1/k of that in the
+    # roofline's seconds, which the compute correction k scales to the clock's.
+    context = context_tokens + np.maximum(kv_usage * kv_capacity - when_reported, 0.0)
+    cached = np.minimum(cached_tokens * survival, max(prompt - 1.0, 0.0))
+    new = prompt - cached
+    elapsed = step_elapsed / k
+    s = steps_kernel(table, weights, chunk, prompt + out / 2.0, new, cached, seqs, context,
+                     prefill_tokens, prefill_len, step_tokens, elapsed, step_behind)  # fmt: skip
+    rows = np.empty((_PRICED_ROWS, n))
+    for i in range(n):
+        base, step, queue = s[0, i], s[1, i], k[i] * s[2, i]
+        # A request that arrives mid-step waits for that step to end (`mid_step`: half a decode step
+        # on average where no prefill step is known to be in progress; `wait` has what is left of one
+        # that is). Counted for every plan alike, since a split's decode leg waits for step boundaries
+        # too (below): counted for splits alone, it made them look slower than serving whole (bursts on
+        # B200 + 2x H100, `auto`: 17 -> 3.6 requests/s of SLO capacity).
+        mid_step = s[6, i]
+        rows[wait_, i] = queue + mid_step
+        rows[rwait_, i] = s[2, i] + mid_step  # what calibration fits its queue factor on
+        rows[rcomp_, i] = s[3, i]
+        compute = rows[compute_, i] = k[i] * s[3, i]
+        # The marginal decode step. A backend's first sequence pays the step's fixed part (weights read,
+        # overhead) unless `idle_is_free`: see `choose`.
+        decode_cost = rows[dcost_, i] = out * (step - (max(base, fixed_step[i]) if idle_is_free else base))
+        # Chunked prefill shares the decode steps: the prefill queued here stretches them (taken as
+        # the backend's ongoing prefill traffic).
+        tpot = rows[tpot_, i] = step + queue / out
+        # A split's decode leg joins the waiting queue behind that prefill (vLLM admits waiting requests
+        # first come, first served, while a step's token budget lasts), so it is admitted in the step of
+        # that prefill's last chunk; then its KV is pulled, it waits for the next step boundary and runs
+        # one step: about two steps besides the steps ahead and the transfer. Priced as one step after
+        # one chunk, the pair corrections learnt the rest as transfer time (10x, their clip, on the AMD
+        # seed cluster's conversations).
+        ahead = k[i] * s[5, i]
+        rows[first_, i] = 2.0 * step + ahead
+        # The step a new prefill joins starts when the steps ahead of it have run; until then later
+        # prompts may join it (`_join`).
+        rows[opens_, i] = mid_step + ahead
+        rows[kv_ok_, i] = context[i] + prompt + out <= kv_limit[i]
+        rows[stall_, i] = k[i] * s[4, i]
+        rows[ttft_, i] = rows[wait_, i] + compute
+        rows[delay_, i] = compute * _cobatched(s[7, i], prefill_len[i], new[i], chunk)
+        rows[ccost_, i] = price[i] * compute
+        rows[dprice_, i] = price[i] * decode_cost
+        rows[tseen_, i] = tpot * tpot_factor[i]
+        rows[step_, i] = step
+        rows[seqs_, i] = seqs[i]
+        rows[waiting_, i] = s[7, i]
+    # A prefill on b holds up the split decode legs headed to b whose KV is due while it is still
+    # queued or running (vLLM serves running requests before admitting waiting ones), at most its
+    # compute; one due after it ends is not held up.
+    due_rows, due_s = kv_due
+    held = np.zeros(n)
+    for leg in range(due_rows.size):
+        i = due_rows[leg]
+        held[i] += min(max(rows[ttft_, i] - due_s[leg], 0.0), rows[compute_, i])
+    for i in range(n):
+        if due_rows.size:
+            rows[delay_, i] = rows[delay_, i] + held[i]
+        prefill_harm, decode_harm = _harm(
+            rows[step_, i], rows[stall_, i], rows[ttft_, i], rows[delay_, i], rows[seqs_, i],
+            rows[dcost_, i], out, slo_ttft, slo_tpot,
+        )  # fmt: skip
+        rows[pharm_, i], rows[dharm_, i] = prefill_harm, decode_harm
+        harm = prefill_harm + decode_harm
+        rows[aok_, i] = rows[ttft_, i] <= slo_ttft and rows[tseen_, i] <= slo_tpot and rows[kv_ok_, i] > 0
+        rows[afin_, i] = rows[ttft_, i] + out * rows[tpot_, i] + harm
+        rows[acost_, i] = rows[ccost_, i] + rows[dprice_, i] + harm
+    return rows
 
 
-def _held_up(rows: np.ndarray, due_s: np.ndarray, finish: np.ndarray, compute: np.ndarray) -> np.ndarray:
-    """Per backend: how much later the split decode legs headed there start if a prefill that ends at
-    `finish` (its own `compute` seconds long) runs there. A leg whose KV is due while that prefill is
-    still queued or running waits for its chunks (vLLM serves running requests before admitting
-    waiting ones), at most the prefill's compute; one due after it ends is not held up."""
-    held = np.clip(finish[rows] - due_s, 0.0, compute[rows])
-    return np.bincount(rows, weights=held, minlength=len(finish))
+@kernel
+def _harm(
+    step: float,
+    stall: float,
+    ttft: float,
+    delay: float,
+    seqs: float,
+    decode_cost: float,
+    out: float,
+    slo_ttft: float,
+    slo_tpot: float,
+) -> tuple[float, float]:
+    """The delay a plan imposes on the requests already there (per backend: as the prefill side,
+    as the decode side), each weighted by how close it brings them to their target (1 at or past
+    it, 0 without a target: a pure throughput objective counts only the plan's own time):
+
+    - the sequences decoding: chunked prefill puts every prefill chunk into their steps, so each
+      waits for the whole prefill (spread over about this request's output length); one more
+      sequence lengthens each of their steps (TPOT target);
+    - the prompts queued in the step this prefill joins: vLLM fills a step with waiting prompts
+      up to its token budget and they all finish with it, so a prompt planned later delays those
+      planned before it (TTFT target; the queue ahead stands for theirs). Without it, a burst of
+      requests went to the backend that finished each one first, one at a time, and the earlier
+      ones missed their TTFT (bursty@nvidia: 15 % missed at 2 % load).
+
+    Each delay counts as the share it takes of its phase's budget: a queued prompt's TTFT target,
+    a decoding sequence's output times its TPOT target (this request's targets and output length
+    stand for theirs), in seconds of this request's whole budget, TTFT plus output times TPOT, the
+    scale of its own finish. A second of a prompt's TTFT then counts as a second of the whole
+    budget over the TTFT target (14x on the bursty trace), a second spread over a decode's output
+    as a little more than one. Counted as seconds alike, a 24 ms stall of 16 decodes 128 tokens
+    long outweighed 18 ms of 8 queued prompts' TTFT, so a burst's prompts were stacked on the
+    B200's queue and the first of them missed their TTFT (B200 + 2x H100 bursts without the split
+    gate: goodput 0.81 at 30 requests/s, 0.92 by budget share).
+
+    Tried and dropped: counting it only past the target (a step function): the decoders were
+    already full when it switched on (0.66x round robin on shared system prompts)."""
+    budget = slo_ttft + out * slo_tpot
+    per_ttft, per_decode = budget / slo_ttft, budget / (out * slo_tpot)
+    stalled = min((step + stall / out) / slo_tpot, 1.0)
+    queued = min(ttft / slo_ttft, 1.0)
+    crowded = min(step / slo_tpot, 1.0)
+    prefill_side = per_decode * stalled * seqs * stall + per_ttft * queued * delay
+    return prefill_side, per_decode * crowded * seqs * decode_cost
 
 
-def _best(cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float) -> tuple[int, int]:
-    """The first entry `_order` would give over a matrix of plans, without sorting them all."""
-    if ok.any():
-        cheap = ok & (cost <= cost[ok].min() * (1.0 + tolerance))
-        flat = int(np.where(cheap, finish, np.inf).argmin())
-    else:
-        flat = int(finish.argmin())
-    a, b = divmod(flat, finish.shape[1])
-    return a, b
+@kernel
+def _cobatched(queued: float, prompt_len: float, new: float, chunk: float) -> float:
+    """On one backend: the queued prompts that finish in the step a new prefill of `new` tokens joins
+    (those in the last, partly filled chunk of the queue), times the share of the new prefill that
+    step takes. A full last chunk leaves none: the new prefill starts a step of its own."""
+    rest = queued % chunk
+    new = max(new, 1.0)
+    share = min(new, chunk - rest) / new
+    return rest / max(prompt_len, 1.0) * share
+
+
+_FOUND, _NO_PAIR, _NO_ROWS = 0, 1, 2  # `_split`'s outcomes
+
+
+@kernel
+def _split(
+    roles: tuple[np.ndarray, np.ndarray, np.ndarray],
+    cached: np.ndarray,
+    prompt_tokens: float,
+    min_lacking: float,
+    turn: int,
+    out: float,
+    prefill_side: tuple[np.ndarray, np.ndarray, np.ndarray],
+    decode_side: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    cluster: tuple[np.ndarray, np.ndarray],
+    targets: tuple[float, float, float],
+) -> tuple[int, int, int, bool, float, float, float, float, np.ndarray, np.ndarray]:
+    """`_best_pair`'s work: (outcome, prefill row, decode row, feasible, cost, finish, transfer, TTFT,
+    the prefill fallbacks, the decode fallbacks). `roles`: healthy, may prefill, may decode; `cached`:
+    the tokens each backend should still hold (`Candidates.surviving_cached`); a decoder must lack at
+    least `min_lacking` of the prompt; `turn`, `turn + 1`: the rotations of the prefill and decode
+    sides (spent unless the outcome is `_NO_ROWS`); `prefill_side`: `_Priced`'s TTFT, compute cost,
+    prefill harm; `decode_side`: first step, TPOT, decode harm, decode price, TPOT as the SLO check
+    sees it, whether the KV fits; `cluster`: `_Cluster.links`, `.tpot_factor`; `targets`: the TTFT
+    and TPOT targets, the cost tolerance."""
+    healthy, can_prefill, can_decode = roles
+    ttft_p, cost_p, harm_p = prefill_side
+    first_d, tpot_d, harm_d, price_d, seen_d, kv_ok_d = decode_side
+    links, tpot_factor = cluster
+    slo_ttft, slo_tpot, tolerance = targets
+    none = np.zeros(0, dtype=np.int64)
+    prefill_rows = np.nonzero(healthy & can_prefill)[0]
+    decode_rows = np.nonzero(healthy & can_decode)[0]
+    decode_rows = decode_rows[prompt_tokens - cached[decode_rows] >= min_lacking]
+    if prefill_rows.size == 0 or decode_rows.size == 0:
+        return _NO_ROWS, -1, -1, False, 0.0, 0.0, 0.0, 0.0, none, none
+    decode_time = first_d + out * tpot_d
+    prefill_rows = _shortlist(rotated(prefill_rows, turn), ttft_p, cost_p)
+    decode_rows = _shortlist(rotated(decode_rows, turn + 1), decode_time, price_d)
+    if prefill_rows.size == 1 and decode_rows.size == 1 and prefill_rows[0] == decode_rows[0]:
+        return _NO_PAIR, -1, -1, False, 0.0, 0.0, 0.0, 0.0, none, none
+    transfer, ttft, finish, cost, ok, a, b = _pairs(
+        prefill_rows, decode_rows, links, prompt_tokens, (ttft_p, cost_p, harm_p, can_decode),
+        (first_d, tpot_factor, decode_time, harm_d, price_d, seen_d, kv_ok_d), slo_ttft, slo_tpot,
+        tolerance,
+    )  # fmt: skip
+    if a < 0:
+        return _NO_PAIR, -1, -1, False, 0.0, 0.0, 0.0, 0.0, none, none
+    pi, di = prefill_rows[a], decode_rows[b]
+    # Fallbacks of each leg with the other leg fixed, in the same order.
+    prefills = _order(prefill_rows, cost[:, b], finish[:, b], ok[:, b], tolerance)
+    decodes = _order(decode_rows, cost[a], finish[a], ok[a], tolerance)
+    return (
+        _FOUND, pi, di, ok[a, b], cost[a, b], finish[a, b], transfer[a, b], ttft[a, b],
+        prefills[prefills != di], decodes[decodes != pi],
+    )  # fmt: skip
+
+
+@kernel
+def _ranked(
+    mask: np.ndarray, turn: int, cost: np.ndarray, finish: np.ndarray, ok: np.ndarray, tolerance: float
+) -> np.ndarray:
+    """The rows in `mask`, rotated by `turn`, best-first by `_order`."""
+    rows = rotated(np.nonzero(mask)[0], turn)
+    return _order(rows, cost[rows], finish[rows], ok[rows], tolerance)
+
+
+@kernel
+def _pairs(
+    prefill_rows: np.ndarray,
+    decode_rows: np.ndarray,
+    links: np.ndarray,
+    prompt_tokens: float,
+    prefill_side: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    decode_side: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    slo_ttft: float,
+    slo_tpot: float,
+    tolerance: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """`_best_pair`'s [prefill, decode] matrices (transfer, TTFT, finish, cost, feasible) over the
+    given rows, and the position of the first plan `_order` would give (-1, -1: every pair is one
+    backend with itself). Per side, the `_Priced` figures it takes (prefill: TTFT, compute cost, harm,
+    whether it may decode; decode: first step, TPOT correction, decode time, harm, price, TPOT as the
+    SLO check sees it, whether its KV holds the request)."""
+    ttft_p, cost_p, harm_p, decodes_p = prefill_side
+    first_d, tpot_factor_d, time_d, harm_d, price_d, tpot_d, kv_ok_d = decode_side
+    shape = (prefill_rows.size, decode_rows.size)
+    transfer, ttft, finish, cost = np.empty(shape), np.empty(shape), np.empty(shape), np.empty(shape)
+    ok = np.zeros(shape, dtype=np.bool_)
+    cheapest = np.inf
+    for a in range(shape[0]):
+        i = prefill_rows[a]
+        for b in range(shape[1]):
+            j = decode_rows[b]
+            transfer[a, b] = links[0, i, j] * (links[1, i, j] * prompt_tokens + links[2, i, j])
+            ready = ttft_p[i] + transfer[a, b]
+            # The decoder's steps as its measured TPOT corrects them: uncorrected, the pair correction
+            # learnt the decoder's step error as transfer time.
+            ttft[a, b] = ready + first_d[j] * tpot_factor_d[j]
+            finish[a, b] = ready + (time_d[j] + harm_d[j]) + harm_p[i] if i != j else np.inf
+            cost[a, b] = (cost_p[i] + harm_p[i]) + (price_d[j] + harm_d[j])
+            # A split whose prefiller could serve the request whole must meet the TTFT target at its
+            # pair's learnt headroom (`_learn_headroom`); one from a prefill-only backend is the only
+            # way to use it.
+            room = links[3, i, j] if decodes_p[i] else 1.0
+            fits = ttft[a, b] * room <= slo_ttft and tpot_d[j] <= slo_tpot and kv_ok_d[j]
+            ok[a, b] = fits and i != j
+            if ok[a, b]:
+                cheapest = min(cheapest, cost[a, b])
+    # The first entry `_order` would give over the matrix, without sorting it: the earliest finish
+    # among the feasible plans within `tolerance` of the cheapest, or among all when none is feasible.
+    best, at = np.inf, -1
+    for flat in range(shape[0] * shape[1]):
+        a, b = flat // shape[1], flat % shape[1]
+        if prefill_rows[a] == decode_rows[b]:
+            continue
+        eligible = ok[a, b] and cost[a, b] <= cheapest * (1.0 + tolerance) if cheapest < np.inf else True
+        if eligible and (at < 0 or finish[a, b] < best):
+            best, at = finish[a, b], flat
+    if at < 0:
+        return transfer, ttft, finish, cost, ok, -1, -1
+    return transfer, ttft, finish, cost, ok, at // shape[1], at % shape[1]
 
 
 def _pair_wins(pair: tuple[bool, float, float], agg: tuple[bool, float, float], tolerance: float) -> bool:
@@ -793,3 +931,24 @@ def _pair_wins(pair: tuple[bool, float, float], agg: tuple[bool, float, float], 
 
 def _halfway(mine: float, theirs: float, clip: tuple[float, float]) -> float:
     return float(np.clip(math.sqrt(mine * theirs), *clip))
+
+
+def compile_kernels() -> None:
+    """Compile every kernel of the request path (`scoring/jit.py`) for the argument types it is called
+    with, or load them from numba's cache: one request planned on a two-backend cluster under each
+    split mode, and the load formula as the registry calls it. The gateway runs this before it
+    serves; `tests/unit/test_jit.py` checks that routing through the registry and the simulator then
+    compiles nothing more."""
+    from scoring.load import load_columns  # the registry's call, with the step in progress
+
+    roles = frozenset((Role.PREFILL, Role.DECODE))
+    specs = (BackendSpec("a", "m", "mi300x", 8, roles), BackendSpec("b", "m", "mi308x", 8, roles))
+    busy = BackendStats(in_flight=2, prefill_tokens=9000, prefill_seqs=2, decode_seqs=1, context_tokens=900)
+    candidates = Candidates.build(specs, (busy, BackendStats()), np.array([0, 512], dtype=np.int64))
+    ranker = CostRanker(load_catalog().model("deepseek-r1"))
+    request = RequestFeatures("m", 2048, 64)
+    for mode in Disaggregation:
+        ranker.choose(request, candidates, SplitSettings(mode))
+    Rotation()(np.arange(2))  # the other policies' rotation
+    columns = np.ones((12, 2))
+    load_columns(*columns[:7], seen=columns[7:11], head=np.ones((5, 2)), now=1.0)

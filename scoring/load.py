@@ -40,9 +40,10 @@ from scoring.cost import (
     Efficiency,
     Hardware,
     StepCoefficients,
-    causal_pairs,
     kv_capacity_tokens,
+    one_step,
 )
+from scoring.jit import kernel
 from scoring.types import LegLoad, Prediction
 
 # vLLM's default `max_num_batched_tokens` with chunked prefill (V1): the prefill tokens one step takes.
@@ -314,43 +315,65 @@ def load_columns(
     and the step in progress (None: nothing is taken off, no step is known)."""
     if seen is None:
         seen = np.stack((in_flight, prefill_seqs, decode_seqs, context_tokens))
-    # vLLM's counts beyond the gateway's own at the time of the report: other clients' requests.
-    # Waiting prompts beyond the gateway's own still to prefill; running sequences beyond its decoding ones.
-    other_waiting = np.maximum(waiting - seen[1], 0.0)
-    other_running = np.maximum(running - seen[2], 0.0)
-    # Context per sequence from the gateway's own sequences; vLLM's extra ones are taken to be alike.
-    mean_context = np.divide(
-        context_tokens, decode_seqs, out=np.zeros_like(context_tokens), where=decode_seqs > 0
-    )
-    # Prompts queued ahead: the reserved tokens less the part of the prompt in progress already computed,
-    # and others' waiting requests at the mean prompt length.
-    prompt_len = np.divide(prefill_tokens, prefill_seqs, out=mean_context.copy(), where=prefill_seqs > 0)
-    done = 0.0 if head is None else head_progress(head[:3], now)
-    queued = prefill_tokens - done + other_waiting * prompt_len
-    others_context = other_running * mean_context
-    if head is None:
-        step_tokens, step_elapsed, step_behind = (np.zeros_like(queued) for _ in range(3))
-    else:  # a leg that failed in the step may have left it: never more than is queued
-        step_tokens = np.minimum(head[3], queued)
-        step_elapsed = np.where(step_tokens > 0, now - head[1], 0.0)
-        step_behind = head[4]
-    return {
-        "load": request_load(in_flight, running, waiting, in_flight_seen=seen[0]),
-        "prefill_tokens": queued,
-        "prefill_len": np.maximum(np.minimum(prompt_len, queued), 1.0),
-        "decode_seqs": decode_seqs + other_running,
-        "context_tokens": context_tokens + others_context,
+    f = np.float64
+    own = tuple([np.asarray(x, dtype=f) for x in (in_flight, running, waiting, prefill_tokens,
+                                                  prefill_seqs, decode_seqs, context_tokens)])  # fmt: skip
+    step = head is not None
+    rows = _load_rows(own, np.asarray(seen, dtype=f), np.asarray(head if step else seen, dtype=f), step,
+                      float(now), float(DEFAULT_CHUNK_TOKENS))  # fmt: skip
+    return dict(zip(LOAD_COLUMNS, rows, strict=True))
+
+
+# `load_columns`' keys, in the order of `_load_rows`' rows.
+LOAD_COLUMNS = ("load", "prefill_tokens", "prefill_len", "decode_seqs", "context_tokens",
+                "context_when_reported", "step_tokens", "step_elapsed", "step_behind")  # fmt: skip
+
+
+@kernel
+def _load_rows(
+    own: tuple[np.ndarray, ...],
+    seen: np.ndarray,
+    head: np.ndarray,
+    step_known: bool,
+    now: float,
+    chunk: float,
+) -> np.ndarray:
+    """`load_columns`' rows (`LOAD_COLUMNS`), backend by backend, from its seven own columns (in flight,
+    running, waiting, prefill tokens, prefill sequences, decode sequences, context tokens); `head` is
+    read only if `step_known`."""
+    in_flight, running, waiting, prefill_tokens, prefill_seqs, decode_seqs, context_tokens = own
+    n = in_flight.size
+    rows = np.zeros((len(LOAD_COLUMNS), n))
+    done = head_progress(head[:3], now, chunk) if step_known else np.zeros(n)
+    for i in range(n):
+        # vLLM's counts beyond the gateway's own at the time of the report: other clients' requests.
+        # Waiting prompts beyond the gateway's own still to prefill; running sequences beyond its
+        # decoding ones.
+        other_waiting = max(waiting[i] - seen[1, i], 0.0)
+        other_running = max(running[i] - seen[2, i], 0.0)
+        # Context per sequence from the gateway's own sequences; vLLM's extra ones are taken to be alike.
+        mean_context = context_tokens[i] / decode_seqs[i] if decode_seqs[i] > 0 else 0.0
+        # Prompts queued ahead: the reserved tokens less the part of the prompt in progress already
+        # computed, and others' waiting requests at the mean prompt length.
+        prompt_len = prefill_tokens[i] / prefill_seqs[i] if prefill_seqs[i] > 0 else mean_context
+        queued = prefill_tokens[i] - done[i] + other_waiting * prompt_len
+        others_context = other_running * mean_context
+        rows[0, i] = in_flight[i] + max(running[i] + waiting[i] - seen[0, i], 0.0)  # `request_load`
+        rows[1, i] = queued
+        rows[2, i] = max(min(prompt_len, queued), 1.0)
+        rows[3, i] = decode_seqs[i] + other_running
+        rows[4, i] = context_tokens[i] + others_context
         # What `context_tokens` was when vLLM's KV usage was reported (`WorkModel.context`).
-        "context_when_reported": seen[3] + others_context,
-        "step_tokens": step_tokens,
-        "step_elapsed": step_elapsed,
-        "step_behind": step_behind,
-    }
+        rows[5, i] = seen[3, i] + others_context
+        if step_known:  # a leg that failed in the step may have left it: never more than is queued
+            rows[6, i] = min(head[3, i], queued)
+            rows[7, i] = now - head[1, i] if rows[6, i] > 0 else 0.0
+            rows[8, i] = head[4, i]
+    return rows
 
 
-def head_progress(
-    head: np.ndarray, now: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-) -> np.ndarray | float:
+@kernel
+def head_progress(head: np.ndarray, now: float, chunk_tokens: float = DEFAULT_CHUNK_TOKENS) -> np.ndarray:
     """The tokens of each backend's prompt in progress already computed at `now` (see `Reserved`): for
     a prompt longer than one step's token budget, its tokens times the time since it reached the front
     over its predicted prefill, at most all of them; none for a shorter one, or where the prefill was
@@ -360,15 +383,12 @@ def head_progress(
     it, so the step's time is theirs as much as its own: credited by its own predicted seconds, the
     CPX's queues of short conversation prompts (Azure) looked shorter than they were (measured over
     predicted TTFT 1.26 -> 1.39). A longer one takes steps of its own, one chunk each."""
-    tokens, since, seconds = head
-    long = tokens > chunk_tokens
-    if not long.any():  # the common case: 9 -> 4 us on 64 backends (this runs on every request)
-        return 0.0
-    share = now - since
-    np.maximum(share, 0.0, out=share)
-    share /= seconds
-    np.minimum(share, 1.0, out=share)
-    return np.asarray(share * tokens * long)
+    tokens, since, seconds = head[0], head[1], head[2]
+    done = np.zeros(tokens.size)
+    for i in range(tokens.size):
+        if tokens[i] > chunk_tokens:
+            done[i] = min(max(now - since[i], 0.0) / seconds[i], 1.0) * tokens[i]
+    return done
 
 
 def kv_due_columns(dues: Sequence[Sequence[float]], now: float) -> tuple[np.ndarray, np.ndarray]:
@@ -409,6 +429,8 @@ class WorkModel:
         self.chunk_tokens = chunk_tokens
         self.kv_capacity = kv_capacity_tokens(model, hw, efficiency)
         self._step_time = StepCoefficients.of(model, hw, efficiency)
+        # `steps_kernel`'s coefficients (`StepCoefficients.table`, `.weights`)
+        self.table, self.weights = self._step_time.table(), self._step_time.weights()
         # One decode step of a single sequence without context: the weights read and the step overhead,
         # which a backend pays once per step however many sequences share it.
         zero = np.zeros(len(hw.gemm_flops))
@@ -466,71 +488,88 @@ class WorkModel:
         - `stall`: how much longer the running batch's steps take, in all, while that prefill shares
           them (chunked prefill): the mixed step minus the decode-only one, weights counted once.
         """
-        # Priced first as if the step in progress had begun (the common case): one `step_time` call.
-        # A step planned to an idle queue begins when the decode step running then ends; until then
-        # it takes more prompts, as a waiting one does, and is priced again so.
-        own_pairs = np.asarray(causal_pairs(new_tokens, cached_tokens))
-        pairs_per_token = np.asarray(causal_pairs(prefill_len, 0) / prefill_len)
-        shape = (new_tokens, own_pairs, pairs_per_token, own_context, seqs, context, prefill_tokens)
-        rows, alone_steps, with_steps, waiting = self._rows(step_tokens, *shape)
-        base = rows[0]
-        closed = (step_tokens > 0) & (step_elapsed >= step_behind * base)
-        opening = (step_tokens > 0) & ~closed
-        if opening.any():
-            rows, alone_steps, with_steps, waiting = self._rows(np.where(closed, step_tokens, 0.0), *shape)
-        base, step, current, alone, joined, mixed = rows
-        before_open = np.maximum(step_behind * base - step_elapsed, 0.0)
-        mid_step = np.where(closed, 0.0, np.where(opening, before_open, 0.5 * base))
-        left = np.where(closed, np.maximum(current + step_behind * base - step_elapsed, 0.0), 0.0)
-        wait = left + alone_steps * alone
-        first_token = left + with_steps * joined
-        return Steps(
-            base=base,
-            step=step,
-            wait=wait,
-            prefill=first_token - wait,
-            stall=np.maximum(mixed - base, 0.0),
-            ahead=left + np.maximum(alone_steps - 1.0, 0.0) * alone,
-            mid_step=mid_step,
-            waiting=waiting,
-        )
+        f = np.float64
+        columns = (new_tokens, cached_tokens, seqs, context, prefill_tokens, prefill_len, step_tokens,
+                   step_elapsed, step_behind)  # fmt: skip
+        out = steps_kernel(self.table, self.weights, float(self.chunk_tokens), float(own_context),
+                     *[np.asarray(x, dtype=f) for x in columns])  # fmt: skip
+        return Steps(*out)
 
-    def _rows(
-        self,
-        in_step: np.ndarray,
-        new_tokens: np.ndarray,
-        own_pairs: np.ndarray,
-        pairs_per_token: np.ndarray,
-        own_context: float,
-        seqs: np.ndarray,
-        context: np.ndarray,
-        prefill_tokens: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """`steps`' step times with `in_step` prompt tokens in the step in progress (rows: the decode
-        batch without and with this request, the step in progress, one waiting step without and with
-        this prompt, this prompt alone beside the decodes), the waiting steps' counts without and with
-        it, and the tokens waiting. Each input's six rows by one concatenate: np.stack of six
-        temporaries cost ~5 us each, as much as the step formula itself on the request path."""
-        n = len(seqs)
-        zero = np.zeros(n)
-        waiting = np.maximum(prefill_tokens - in_step, 0.0)
+
+@kernel
+def steps_kernel(
+    table: np.ndarray,
+    weights: np.ndarray,
+    chunk: float,
+    own_context: float,
+    new_tokens: np.ndarray,
+    cached_tokens: np.ndarray,
+    seqs: np.ndarray,
+    context: np.ndarray,
+    prefill_tokens: np.ndarray,
+    prefill_len: np.ndarray,
+    step_tokens: np.ndarray,
+    step_elapsed: np.ndarray,
+    step_behind: np.ndarray,
+) -> np.ndarray:
+    """`WorkModel.steps`' eight rows, backend by backend (`table`, `weights`: `StepCoefficients`).
+    Priced first as if the step in progress had begun (the common case); a step planned to an idle
+    queue begins when the decode step running then ends, and until then it takes more prompts, as a
+    waiting one does: while any backend has such a step, every step not known to have begun is priced
+    as waiting (its tokens join the waiting ones)."""
+    n = seqs.shape[0]
+    out = np.empty((8, n))
+    closed = np.empty(n, dtype=np.bool_)
+    opening = np.empty(n, dtype=np.bool_)
+    for i in range(n):
+        out[0, i] = _step(table, weights, i, 0.0, 0.0, seqs[i], context[i])  # the running batch's step
+        closed[i] = step_tokens[i] > 0 and step_elapsed[i] >= step_behind[i] * out[0, i]
+        opening[i] = step_tokens[i] > 0 and not closed[i]
+    any_opening = opening.any()
+    for i in range(n):
+        base, behind, elapsed = out[0, i], step_behind[i], step_elapsed[i]
+        in_step = step_tokens[i] if closed[i] or not any_opening else 0.0
+        new, batch, ctx = new_tokens[i], seqs[i], context[i]
+        own_pairs = new * cached_tokens[i] + new * (new + 1.0) / 2.0  # `causal_pairs`
+        length = prefill_len[i]
+        pairs_per_token = (length * (length + 1.0) / 2.0) / length
         # The waiting prompts' steps, without and with this one (at least one: its own).
-        alone_steps = np.ceil(waiting / self.chunk_tokens)
-        with_steps = np.maximum(np.ceil((waiting + new_tokens) / self.chunk_tokens), 1.0)
-        per_alone = 1.0 / np.maximum(alone_steps, 1.0)
-        per_with = 1.0 / with_steps
-        prefill = np.concatenate(
-            (zero, zero, in_step, waiting * per_alone, (waiting + new_tokens) * per_with, new_tokens)
-        ).reshape(6, n)
+        waiting = max(prefill_tokens[i] - in_step, 0.0)
+        alone_steps = np.ceil(waiting / chunk)
+        with_steps = max(np.ceil((waiting + new) / chunk), 1.0)
+        per_alone, per_with = 1.0 / max(alone_steps, 1.0), 1.0 / with_steps
         waiting_pairs = waiting * pairs_per_token
-        pairs = np.concatenate(
-            (zero, zero, in_step * pairs_per_token, waiting_pairs * per_alone,
-             (waiting_pairs + own_pairs) * per_with, own_pairs)
-        ).reshape(6, n)  # fmt: skip
-        rows = self._step_time(
-            prefill,
-            pairs,
-            np.concatenate((seqs, seqs + 1.0, seqs, seqs, seqs, seqs)).reshape(6, n),
-            np.concatenate((context, context + own_context, *(context,) * 4)).reshape(6, n),
-        )
-        return rows, alone_steps, with_steps, waiting
+        # The decode batch with this request; the step in progress; one waiting step without and with
+        # this prompt; this prompt alone beside the decodes.
+        step = _step(table, weights, i, 0.0, 0.0, batch + 1.0, ctx + own_context)
+        current = _step(table, weights, i, in_step, in_step * pairs_per_token, batch, ctx)
+        alone = _step(table, weights, i, waiting * per_alone, waiting_pairs * per_alone, batch, ctx)
+        joined_tokens, joined_pairs = (waiting + new) * per_with, (waiting_pairs + own_pairs) * per_with
+        joined = _step(table, weights, i, joined_tokens, joined_pairs, batch, ctx)
+        mixed = _step(table, weights, i, new, own_pairs, batch, ctx)
+        if closed[i]:
+            left, mid_step = max(current + behind * base - elapsed, 0.0), 0.0
+        else:
+            left = 0.0
+            mid_step = max(behind * base - elapsed, 0.0) if opening[i] else 0.5 * base
+        wait = left + alone_steps * alone
+        out[1, i] = step
+        out[2, i] = wait
+        out[3, i] = (left + with_steps * joined) - wait
+        out[4, i] = max(mixed - base, 0.0)
+        out[5, i] = left + max(alone_steps - 1.0, 0.0) * alone
+        out[6, i] = mid_step
+        out[7, i] = waiting
+    return out
+
+
+@kernel
+def _step(
+    table: np.ndarray, weights: np.ndarray, i: int, tokens: float, pairs: float, batch: float, context: float
+) -> float:
+    """`one_step` on backend `i`."""
+    linear, byte, pair, kv, overhead, seq = table[:, i]
+    always, expert, routed, keep = weights
+    return one_step(
+        tokens, pairs, batch, context, linear, byte, pair, kv, overhead, seq, always, expert, routed, keep
+    )

@@ -19,13 +19,13 @@ plan in seconds and returns the plan itself (`Ranker.judges_split`).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
+from scoring.jit import kernel
 from scoring.types import Candidates, Disaggregation, Mode, Outcome, RequestFeatures, RoutePlan
 
 
@@ -84,19 +84,31 @@ class SplitSettings:
 
 class Rotation:
     """Turns through equal choices: each call starts `indices` one place further (the one rotation
-    helper of every policy; stable sorts after it then break ties differently on every request)."""
+    helper of every policy; stable sorts after it then break ties differently on every request). A
+    compiled kernel that rotates row sets itself takes its turns from `turn` (`rotated`)."""
 
-    __slots__ = ("_turn",)
+    __slots__ = ("turn",)
 
     def __init__(self) -> None:
-        self._turn = itertools.count()
+        self.turn = 0  # the next turn's number
 
     def __call__(self, indices: np.ndarray) -> np.ndarray:
-        turn = next(self._turn)
-        if indices.size < 2:
-            return indices
-        k = turn % indices.size
-        return np.concatenate((indices[k:], indices[:k]))
+        return rotated(indices, self.take())
+
+    def take(self) -> int:
+        """The next turn, spent."""
+        turn = self.turn
+        self.turn += 1
+        return turn
+
+
+@kernel
+def rotated(indices: np.ndarray, turn: int) -> np.ndarray:
+    """`indices` started `turn` places further, wrapping round (`Rotation`)."""
+    if indices.size < 2:
+        return indices
+    k = turn % indices.size
+    return np.concatenate((indices[k:], indices[:k]))
 
 
 class SimpleRanker:

@@ -45,6 +45,9 @@ if [ "${HETGATE_SKIP_VLLM_SETUP:-0}" != 1 ]; then
   bash scripts/setup_vllm_env.sh --with-nixl
 fi
 
+say "compiling routing's kernels (numba caches them: ~15 s once)"
+python3 -c "from scoring.cost_policy import compile_kernels; compile_kernels()"
+
 say "ruff"
 python3 -m ruff check .
 

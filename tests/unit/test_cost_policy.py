@@ -8,7 +8,7 @@ import pytest
 
 from scoring.catalog import load_catalog
 from scoring.cost import causal_pairs
-from scoring.cost_policy import SHORTLIST, CostRanker, _best, _cobatched, _order, _shortlist
+from scoring.cost_policy import SHORTLIST, CostRanker, _cobatched, _order, _pairs, _shortlist
 from scoring.outcome import Measured, outcomes_of
 from scoring.router import build_router
 from scoring.types import (
@@ -285,12 +285,34 @@ def test_plans_are_ordered_cheap_tier_then_feasible_then_infeasible_each_by_fini
 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_best_pair_is_the_first_of_the_full_order_of_pairs(seed):
-    """`_best` picks from the [prefill, decode] matrix without sorting it: `_order`'s first pair."""
+    """`_pairs` prices the [prefill, decode] matrix as the formulas of `_best_pair`'s docstring say (here
+    in numpy) and picks from it without sorting it: `_order`'s first pair, one backend with itself
+    excluded."""
     rng = np.random.default_rng(seed)
-    cost, finish = rng.uniform(1.0, 2.0, (2, 6, 5))
-    ok = rng.random((6, 5)) < (0.5 if seed else 0.0)  # seed 0: no feasible pair
-    first = _order(np.arange(30), cost.ravel(), finish.ravel(), ok.ravel(), 0.3)[0]
-    assert _best(cost, finish, ok, 0.3) == divmod(int(first), 5)
+    n = 7
+    rows_p, rows_d = rng.permutation(n)[:6], rng.permutation(n)[:5]
+    links = rng.uniform(0.5, 2.0, (4, n, n)) * np.array([1.0, 1e-6, 0.01, 1.0])[:, None, None]
+    ttft, compute_cost, harm_p, first, factor, time, harm_d, price, tpot = rng.uniform(0.1, 1.0, (9, n))
+    decodes, kv_ok = rng.random((2, n)) < 0.7
+    slo_ttft = 1.5 if seed else 0.0  # seed 0: no feasible pair
+    transfer, ttft_m, finish, cost, ok, a, b = _pairs(
+        rows_p, rows_d, links, 3000.0, (ttft, compute_cost, harm_p, decodes),
+        (first, factor, time, harm_d, price, tpot, kv_ok), slo_ttft, 0.8, 0.3,
+    )  # fmt: skip
+    pr, dr = rows_p[:, None], rows_d
+    link = links[:, pr, dr]
+    assert np.array_equal(transfer, link[0] * (link[1] * 3000.0 + link[2]))
+    assert np.array_equal(ttft_m, ttft[pr] + transfer + (first * factor)[dr])
+    same = pr == dr
+    assert np.array_equal(
+        finish, np.where(same, np.inf, ttft[pr] + transfer + (time + harm_d)[dr] + harm_p[pr])
+    )
+    assert np.array_equal(cost, (compute_cost + harm_p)[pr] + (price + harm_d)[dr])
+    room = np.where(decodes[pr], link[3], 1.0)
+    assert np.array_equal(ok, (ttft_m * room <= slo_ttft) & (tpot[dr] <= 0.8) & kv_ok[dr] & ~same)
+    first_pair = _order(np.arange(30), cost.ravel(), finish.ravel(), ok.ravel(), 0.3)[0]
+    assert (a, b) == divmod(int(first_pair), 5)
+    assert rows_p[a] != rows_d[b]
 
 
 def tiered_order(rows, cost, finish, ok, tolerance):
@@ -321,18 +343,20 @@ def test_order_equals_the_tiered_order(seed):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_shortlist_keeps_the_quickest_and_the_cheapest(seed):
-    """One partition of both measures keeps what a partition of each kept (ties included)."""
+    """The rows among the `SHORTLIST` smallest of either measure, ties to the rows given first, in the
+    order given."""
     rng = np.random.default_rng(seed)
     n = 64
     time, cost = rng.choice([1.0, 2.0, 3.0], n), rng.random(n).round(1)
-    rows = np.sort(rng.choice(n, int(rng.integers(1, n)), replace=False))
-    keep = np.zeros(rows.size, dtype=bool)
+    rows = rng.choice(n, int(rng.integers(1, n)), replace=False)
     if rows.size > 2 * SHORTLIST:
-        keep[np.argpartition(time[rows], SHORTLIST)[:SHORTLIST]] = True
-        keep[np.argpartition(cost[rows], SHORTLIST)[:SHORTLIST]] = True
+        ranked = [
+            sorted(range(rows.size), key=lambda i, m=m: (m[rows[i]], i))[:SHORTLIST] for m in (time, cost)
+        ]
+        expected = [int(r) for i, r in enumerate(rows) if i in ranked[0] or i in ranked[1]]
     else:
-        keep[:] = True
-    assert _shortlist(rows, time, cost).tolist() == rows[keep].tolist()
+        expected = rows.tolist()
+    assert _shortlist(rows, time, cost).tolist() == expected
 
 
 # --- bursts and idle hardware (B200 + H100, Llama-3.1-70B) ------------------------------------------------
@@ -362,10 +386,7 @@ def llama():
 def test_cobatched_counts_the_queued_prompts_sharing_the_new_prefills_step(
     queued_tokens, prompt_len, new, expected
 ):
-    got = _cobatched(
-        np.array([queued_tokens], float), np.array([prompt_len], float), np.array([new], float), 8192
-    )
-    assert got[0] == pytest.approx(expected)
+    assert _cobatched(float(queued_tokens), float(prompt_len), float(new), 8192.0) == pytest.approx(expected)
 
 
 def test_a_burst_is_not_stacked_on_the_fastest_backend(llama):

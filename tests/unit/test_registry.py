@@ -368,3 +368,42 @@ def test_the_leg_that_leaves_the_queue_is_the_one_whose_prefill_is_done():
     assert reg.candidates(reg.pools["m"]).prefill_tokens[0] == pytest.approx(5000)
     front.release()
     assert not a.reserved.prefilling
+
+
+def test_the_pool_rereads_every_backend_whose_accounting_changed():
+    """`ModelPool.candidates` rereads only backends whose `version` moved: after every kind of change
+    (a leg reserved, its prefill done, released; other replicas' counts; a scrape moving the survival
+    factor), its columns equal those of a pool built afresh over the same backends."""
+    from gateway.registry import ModelPool
+
+    rng = random.Random(7)
+    clock = Clock()
+    reg, _ = registry(clock, n=5)
+    pool = reg.pools["m"]
+    held = []
+    for step in range(200):
+        clock.now += rng.random()
+        backend = rng.choice(pool.backends)
+        action = rng.randrange(5)
+        if action == 0 or not held:
+            load = LegLoad(rng.randrange(0, 9000), rng.randrange(1, 300), rng.randrange(0, 9000),
+                           queried_tokens=20_000, indexed_tokens=15_000)  # fmt: skip
+            held.append(reg.reserve(backend, load))
+        elif action == 1:
+            rng.choice(held).prefill_done()
+        elif action == 2:
+            held.pop(rng.randrange(len(held))).release()
+        elif action == 3:
+            backend.remote_in_flight = rng.randrange(3)
+            backend.version += 1  # as gateway/replicas.py does when the count changes
+        else:
+            queries = step * 20_000.0  # vLLM found a fifth where the index promised three quarters
+            backend.report(
+                VllmLoad(running=rng.randrange(4), prefix_hits=queries / 5, prefix_queries=queries)
+            )
+        got = reg.candidates(pool)
+        fresh = ModelPool(pool.model, pool.backends, reg.health_settings).candidates(clock.now)
+        for name in ("load", "prefill_tokens", "prefill_len", "decode_seqs", "context_tokens", "step_tokens",
+                     "step_elapsed", "step_behind", "cache_survival"):  # fmt: skip
+            assert getattr(got, name).tolist() == getattr(fresh, name).tolist(), (step, name)
+    assert min(b.survival.factor for b in pool.backends) < 1.0  # the scrapes did move it
