@@ -175,6 +175,9 @@ class ModelPool:
         self._reported = np.zeros((7, len(backends)))
         self._versions = [-1] * len(backends)  # each backend's `version` when `_own` last read it
         self._own = np.zeros((_OWN_ROWS, len(backends)))
+        # Split decode legs due on each backend (`kv_due_columns`, on the clock's absolute times), reread
+        # with `_own`.
+        self._kv_due = kv_due_columns([], 0.0)
 
     def routable(self, now: float) -> np.ndarray:
         """Who may get traffic: the available backends, or all of them in panic mode."""
@@ -210,6 +213,7 @@ class ModelPool:
                         r.step_tokens, r.step_behind, backend.survival.factor,
                     )  # fmt: skip
             self._versions = versions
+            self._kv_due = kv_due_columns([b.reserved.kv_due for b in self.backends], 0.0)
         return self._own
 
     def cooling(self, now: float) -> frozenset[int]:
@@ -228,8 +232,8 @@ class ModelPool:
         if work:
             head = own[5:10]
             columns = load_columns(own[0], *reported[:2], *own[1:5], seen=reported[3:], head=head, now=now)
-            rows_due, due_s = kv_due_columns([b.reserved.kv_due for b in self.backends], now)
-            columns.update(kv_due_rows=rows_due, kv_due_s=due_s)
+            rows_due, due_at = self._kv_due
+            columns.update(kv_due_rows=rows_due, kv_due_s=due_at - now)
         else:
             columns = _counts_only(own[0], reported)
         return Candidates(

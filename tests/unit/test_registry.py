@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -386,7 +387,8 @@ def test_the_pool_rereads_every_backend_whose_accounting_changed():
         backend = rng.choice(pool.backends)
         action = rng.randrange(5)
         if action == 0 or not held:
-            load = LegLoad(rng.randrange(0, 9000), rng.randrange(1, 300), rng.randrange(0, 9000),
+            due = clock.now + rng.random() if rng.random() < 0.3 else math.nan  # a split's decode leg
+            load = LegLoad(rng.randrange(0, 9000), rng.randrange(1, 300), rng.randrange(0, 9000), due,
                            queried_tokens=20_000, indexed_tokens=15_000)  # fmt: skip
             held.append(reg.reserve(backend, load))
         elif action == 1:
@@ -406,4 +408,6 @@ def test_the_pool_rereads_every_backend_whose_accounting_changed():
         for name in ("load", "prefill_tokens", "prefill_len", "decode_seqs", "context_tokens", "step_tokens",
                      "step_elapsed", "step_behind", "cache_survival"):  # fmt: skip
             assert getattr(got, name).tolist() == getattr(fresh, name).tolist(), (step, name)
+        assert got.kv_due_rows.tolist() == fresh.kv_due_rows.tolist()
+        assert got.kv_due_s.tolist() == fresh.kv_due_s.tolist()
     assert min(b.survival.factor for b in pool.backends) < 1.0  # the scrapes did move it
