@@ -241,13 +241,13 @@ class CostRanker(SimpleRanker):
         work = cl.work
         slo = self._targets(request, cl)
         f = np.float64
-        columns = (c.cached_tokens, c.cache_survival, c.decode_seqs, c.context_tokens, c.kv_usage,
-                   c.context_when_reported, c.prefill_tokens, c.prefill_len, c.step_tokens, c.step_elapsed,
-                   c.step_behind)  # fmt: skip
+        context = work.context(c.context_tokens, c.kv_usage, c.context_when_reported)
+        columns = (c.surviving_cached(), c.decode_seqs, context, c.prefill_tokens, c.prefill_len,
+                   c.step_tokens, c.step_elapsed, c.step_behind)  # fmt: skip
         rows = _price_rows(
             (work.table, work.weights, float(self.chunk_tokens)),
             (float(request.prompt_tokens), float(max(request.max_tokens, 1)), idle_is_free, *slo),
-            (cl.compute_factor, cl.tpot_factor, cl.price, cl.kv_limit, work.fixed_step, work.kv_capacity),
+            (cl.compute_factor, cl.tpot_factor, cl.price, cl.kv_limit, work.fixed_step),
             tuple([np.asarray(x, dtype=f) for x in columns]),
             (np.asarray(c.kv_due_rows, dtype=np.int64), np.asarray(c.kv_due_s, dtype=f)),
         )
@@ -648,27 +648,27 @@ def _shortlist(rows: np.ndarray, time: np.ndarray, cost: np.ndarray) -> np.ndarr
 def _price_rows(
     engine: tuple[np.ndarray, np.ndarray, float],
     request: tuple[float, float, bool, float, float],
-    cluster: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    cluster: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     load: tuple[np.ndarray, ...],
     kv_due: tuple[np.ndarray, np.ndarray],
 ) -> np.ndarray:
     """`_Priced`'s rows for one request on every backend. `engine`: `WorkModel.table`, `.weights`, the
     step's token budget; `request`: prompt tokens, output tokens, `idle_is_free`, the TTFT and TPOT
-    targets; `cluster`: compute and TPOT corrections, prices, KV limits, `WorkModel.fixed_step`,
-    `.kv_capacity`; `load`: `Candidates`' columns (cached tokens, cache survival, decode sequences,
-    context, KV usage, context when reported, prefill tokens, prompt length, step tokens, step
-    elapsed, step behind); `kv_due`: `Candidates.kv_due_rows`, `.kv_due_s`."""
+    targets; `cluster`: compute and TPOT corrections, prices, KV limits, `WorkModel.fixed_step`;
+    `load`: per backend, the cached tokens it should still hold (`Candidates.surviving_cached`), the
+    sequences decoding, their context (`WorkModel.context`), then `Candidates`' prefill tokens,
+    prompt length, step tokens, step elapsed and step behind; `kv_due`: `Candidates.kv_due_rows`,
+    `.kv_due_s`."""
     table, weights, chunk = engine
     prompt, out, idle_is_free, slo_ttft, slo_tpot = request
-    k, tpot_factor, price, kv_limit, fixed_step, kv_capacity = cluster
-    cached_tokens, survival, seqs, context_tokens, kv_usage, when_reported = load[:6]
-    prefill_tokens, prefill_len, step_tokens, step_elapsed, step_behind = load[6:]
+    k, tpot_factor, price, kv_limit, fixed_step = cluster
+    surviving, seqs, context = load[0], load[1], load[2]
+    prefill_tokens, prefill_len, step_tokens, step_elapsed, step_behind = load[3:]
     n = seqs.size
-    # `WorkModel.context`; what each backend should still hold at admission (vLLM recomputes the last
-    # token); the step in progress began `step_elapsed` seconds ago on the clock: 1/k of that in the
-    # roofline's seconds, which the compute correction k scales to the clock's.
-    context = context_tokens + np.maximum(kv_usage * kv_capacity - when_reported, 0.0)
-    cached = np.minimum(cached_tokens * survival, max(prompt - 1.0, 0.0))
+    # What each backend should still hold at admission (vLLM recomputes the last token); the step in
+    # progress began `step_elapsed` seconds ago on the clock: 1/k of that in the roofline's seconds,
+    # which the compute correction k scales to the clock's.
+    cached = np.minimum(surviving, max(prompt - 1.0, 0.0))
     new = prompt - cached
     elapsed = step_elapsed / k
     s = steps_kernel(table, weights, chunk, prompt + out / 2.0, new, cached, seqs, context,

@@ -456,9 +456,8 @@ class WorkModel:
         step_elapsed: np.ndarray,
         step_behind: np.ndarray,
     ) -> Steps:
-        """What a new request meets on every backend, in seconds, from one vectorised `step_time` call
-        over six rows (`_rows`; a second only while a step planned beside decodes has yet to begin: the
-        routing decision is on the request path):
+        """What a new request meets on every backend, in seconds, from six step times per backend
+        (`steps_kernel`, compiled: the routing decision is on the request path):
 
         - `base`, `step`: one decode step of the running batch, without and with this request
           (`own_context` tokens of context);
