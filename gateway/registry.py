@@ -109,6 +109,12 @@ class BackendState:
         self.survival.observe(load.prefix_hits, load.prefix_queries, r.indexed_tokens, r.queried_tokens)
         self.version += 1
 
+    def set_remote_in_flight(self, count: int) -> None:
+        """Other gateway replicas' requests on it, as the shared load says (gateway/replicas.py)."""
+        if count != self.remote_in_flight:
+            self.remote_in_flight = count
+            self.version += 1
+
     def available(self, now: float) -> bool:
         """Takes traffic outside panic mode: its probe is up and it is not ejected."""
         until = self.outlier.ejected_until  # OutlierState.ejected inlined: this runs per backend per request

@@ -68,10 +68,7 @@ class SharedLoad:
                 return  # keep the last counts a while, as other replicas keep ours
             others = {}
         for backend in self.registry.backends.values():
-            remote = others.get(backend.id, 0)
-            if remote != backend.remote_in_flight:
-                backend.remote_in_flight = remote
-                backend.version += 1
+            backend.set_remote_in_flight(others.get(backend.id, 0))
         if now >= self._next_calibration:
             self._next_calibration = now + CALIBRATION_INTERVAL_S
             await self.share_calibration()

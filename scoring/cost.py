@@ -142,13 +142,35 @@ def expected_experts(routed: int, top_k: int, tokens: ArrayLike) -> ArrayLike:
     return routed * (1.0 - (1.0 - top_k / routed) ** np.asarray(tokens, dtype=float))
 
 
-def weight_bytes_read(model: ModelSpec, tokens: ArrayLike) -> ArrayLike:
-    """Weight bytes one forward pass over `tokens` tokens reads: always-on weights plus touched experts."""
+def weight_terms(model: ModelSpec) -> np.ndarray:
+    """What the weight bytes a step reads depend on, as `weight_bytes` takes them: the always-on weight
+    bytes, the bytes of one expert across the MoE layers, the routed experts (0: dense) and the chance a
+    token leaves a given expert out."""
     always = (model.total_params - model.routed_params) * model.weight_bytes_per_param
     if model.moe is None:
-        return always + 0.0 * np.asarray(tokens, dtype=float)
-    touched = expected_experts(model.moe.routed_experts, model.moe.experts_per_token, tokens)
-    return always + (model.moe_layers * model.expert_params * model.weight_bytes_per_param) * touched
+        return np.array([always, 0.0, 0.0, 1.0])
+    routed = model.moe.routed_experts
+    expert = model.moe_layers * model.expert_params * model.weight_bytes_per_param
+    return np.array([always, expert, routed, 1.0 - model.moe.experts_per_token / routed])
+
+
+def _weight_bytes(
+    tokens: float, always_bytes: float, expert_bytes: float, routed: float, keep: float
+) -> float:
+    """Weight bytes one forward pass over `tokens` tokens reads (`weight_terms`): always-on weights plus
+    the experts some token picked (`expected_experts`)."""
+    if routed > 0:
+        return always_bytes + expert_bytes * (routed * (1.0 - keep**tokens))
+    return always_bytes + 0.0 * tokens
+
+
+weight_bytes = kernel(_weight_bytes)  # for `_one_step`
+_weight_bytes_ufunc = ufunc(_weight_bytes)
+
+
+def weight_bytes_read(model: ModelSpec, tokens: ArrayLike) -> ArrayLike:
+    """`weight_bytes` of `model` for each of `tokens`."""
+    return np.asarray(_weight_bytes_ufunc(np.asarray(tokens, dtype=float), *weight_terms(model)))
 
 
 def causal_pairs(new_tokens: ArrayLike, cached_tokens: ArrayLike) -> ArrayLike:
@@ -164,7 +186,7 @@ class StepCoefficients:
     `ScalarStepTime` is its float copy for one backend). Folding matters on the request path: the router
     prices five step shapes per decision, and each numpy call costs microseconds."""
 
-    model: ModelSpec  # for the weight bytes a step reads (`weight_bytes_read`)
+    model: ModelSpec  # for the weight bytes a step reads (`weight_terms`)
     linear_s: np.ndarray  # GEMM seconds per token (2 * active params at the compute peak and mfu)
     byte_s: np.ndarray  # seconds to read one byte of weights or KV (bandwidth at bw_util)
     pair_s: np.ndarray  # attention seconds per causal (query, key) pair, BF16
@@ -185,18 +207,6 @@ class StepCoefficients:
             seq_s=seq_overhead(hw, eff),
         )
 
-    def weights(self) -> np.ndarray:
-        """What `weight_bytes_read` needs of the model, as `one_step` takes it: the always-on weight bytes,
-        the bytes of one expert across the MoE layers, the routed experts (0: dense) and the chance a
-        token leaves a given expert out."""
-        model = self.model
-        always = (model.total_params - model.routed_params) * model.weight_bytes_per_param
-        if model.moe is None:
-            return np.array([always, 0.0, 0.0, 1.0])
-        routed = model.moe.routed_experts
-        expert = model.moe_layers * model.expert_params * model.weight_bytes_per_param
-        return np.array([always, expert, routed, 1.0 - model.moe.experts_per_token / routed])
-
     def table(self) -> np.ndarray:
         """The per-backend coefficients as one C-ordered [6, backends] array, in `one_step`'s order."""
         columns = (self.linear_s, self.byte_s, self.pair_s, self.kv_s, self.overhead_s, self.seq_s)
@@ -210,7 +220,7 @@ class StepCoefficients:
         decode_context: ArrayLike,
     ) -> np.ndarray:
         """Seconds for one engine step per backend (see `step_time`); inputs broadcast against the rows."""
-        w = self.weights()
+        w = weight_terms(self.model)
         columns = (self.linear_s, self.byte_s, self.pair_s, self.kv_s, self.overhead_s, self.seq_s)
         inputs = (prefill_tokens, prefill_pairs, decode_batch, decode_context)
         floats = [np.asarray(x, dtype=float) for x in (*inputs, *columns)]
@@ -234,15 +244,11 @@ def _one_step(
     keep: float,
 ) -> float:
     """Seconds for one engine step on one backend: the formula in the module's docstring, written once.
-    Coefficients as `StepCoefficients` folds them, the model's weights as `StepCoefficients.weights`."""
+    Coefficients as `StepCoefficients` folds them, the model's weights as `weight_terms` gives them."""
     tokens = prefill_tokens + batch
     if not tokens > 0:
         return 0.0
-    if routed > 0:  # always-on weights, plus the experts some token picked (`expected_experts`)
-        weights = always_bytes + expert_bytes * (routed * (1.0 - keep**tokens))
-    else:
-        weights = always_bytes + 0.0 * tokens
-    gemm = max(linear_s * tokens, weights * byte_s)
+    gemm = max(linear_s * tokens, weight_bytes(tokens, always_bytes, expert_bytes, routed, keep) * byte_s)
     attention = max(pair_s * (prefill_pairs + context), kv_s * context)
     return gemm + attention + seq_s * batch + overhead_s
 

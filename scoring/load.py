@@ -42,6 +42,7 @@ from scoring.cost import (
     StepCoefficients,
     kv_capacity_tokens,
     one_step,
+    weight_terms,
 )
 from scoring.jit import kernel
 from scoring.types import LegLoad, Prediction
@@ -321,10 +322,12 @@ def load_columns(
     step = head is not None
     rows = _load_rows(own, np.asarray(seen, dtype=f), np.asarray(head if step else seen, dtype=f), step,
                       float(now), float(DEFAULT_CHUNK_TOKENS))  # fmt: skip
-    return dict(zip(LOAD_COLUMNS, rows, strict=True))
+    columns = dict(zip(LOAD_COLUMNS, rows, strict=True))
+    columns["load"] = request_load(own[0], own[1], own[2], in_flight_seen=seen[0])
+    return columns
 
 
-# `load_columns`' keys, in the order of `_load_rows`' rows.
+# `load_columns`' keys, in the order of `_load_rows`' rows (`load` is `request_load`'s).
 LOAD_COLUMNS = ("load", "prefill_tokens", "prefill_len", "decode_seqs", "context_tokens",
                 "context_when_reported", "step_tokens", "step_elapsed", "step_behind")  # fmt: skip
 
@@ -338,11 +341,11 @@ def _load_rows(
     now: float,
     chunk: float,
 ) -> np.ndarray:
-    """`load_columns`' rows (`LOAD_COLUMNS`), backend by backend, from its seven own columns (in flight,
-    running, waiting, prefill tokens, prefill sequences, decode sequences, context tokens); `head` is
-    read only if `step_known`."""
-    in_flight, running, waiting, prefill_tokens, prefill_seqs, decode_seqs, context_tokens = own
-    n = in_flight.size
+    """`load_columns`' rows (`LOAD_COLUMNS`, but `load`, left 0 for `request_load`), backend by
+    backend, from its seven own columns (in flight, running, waiting, prefill tokens, prefill
+    sequences, decode sequences, context tokens); `head` is read only if `step_known`."""
+    running, waiting, prefill_tokens, prefill_seqs, decode_seqs, context_tokens = own[1:]
+    n = running.size
     rows = np.zeros((len(LOAD_COLUMNS), n))
     done = head_progress(head[:3], now, chunk) if step_known else np.zeros(n)
     for i in range(n):
@@ -358,7 +361,6 @@ def _load_rows(
         prompt_len = prefill_tokens[i] / prefill_seqs[i] if prefill_seqs[i] > 0 else mean_context
         queued = prefill_tokens[i] - done[i] + other_waiting * prompt_len
         others_context = other_running * mean_context
-        rows[0, i] = in_flight[i] + max(running[i] + waiting[i] - seen[0, i], 0.0)  # `request_load`
         rows[1, i] = queued
         rows[2, i] = max(min(prompt_len, queued), 1.0)
         rows[3, i] = decode_seqs[i] + other_running
@@ -429,8 +431,8 @@ class WorkModel:
         self.chunk_tokens = chunk_tokens
         self.kv_capacity = kv_capacity_tokens(model, hw, efficiency)
         self._step_time = StepCoefficients.of(model, hw, efficiency)
-        # `steps_kernel`'s coefficients (`StepCoefficients.table`, `.weights`)
-        self.table, self.weights = self._step_time.table(), self._step_time.weights()
+        # `steps_kernel`'s coefficients (`StepCoefficients.table`, `weight_terms`)
+        self.table, self.weights = self._step_time.table(), weight_terms(model)
         # One decode step of a single sequence without context: the weights read and the step overhead,
         # which a backend pays once per step however many sequences share it.
         zero = np.zeros(len(hw.gemm_flops))

@@ -396,8 +396,7 @@ def test_the_pool_rereads_every_backend_whose_accounting_changed():
         elif action == 2:
             held.pop(rng.randrange(len(held))).release()
         elif action == 3:
-            backend.remote_in_flight = rng.randrange(3)
-            backend.version += 1  # as gateway/replicas.py does when the count changes
+            backend.set_remote_in_flight(rng.randrange(3))
         else:
             queries = step * 20_000.0  # vLLM found a fifth where the index promised three quarters
             backend.report(
