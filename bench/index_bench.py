@@ -37,7 +37,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from kvindex.hashing import pack_token_ids
+from kvindex.hashing import BlockHashes, pack_token_ids
 from kvindex.memory import MemoryIndex
 from kvindex.prompt import PromptHasher
 from kvindex.redis import RedisIndex
@@ -140,7 +140,7 @@ def hashing_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-async def populate(store: Any, hashes: tuple[int, ...], backends: int) -> list[str]:
+async def populate(store: Any, hashes: BlockHashes, backends: int) -> list[str]:
     ids = [f"backend-{i}" for i in range(backends)]
     for i, backend_id in enumerate(ids):
         held = len(hashes) * (i % 8 + 1) // 8
@@ -241,7 +241,7 @@ class CountingConnection(redis.asyncio.Connection):
         await super().send_packed_command(command, check_health)
 
 
-async def redis_round_trips(port: int, hashes: tuple[int, ...], backends: int, calls: int) -> float:
+async def redis_round_trips(port: int, hashes: BlockHashes, backends: int, calls: int) -> float:
     """Client round trips per match, counted at the client's connection."""
     pool = redis.asyncio.ConnectionPool(port=port, connection_class=CountingConnection, socket_timeout=30)
     store = RedisIndex(redis.asyncio.Redis(connection_pool=pool), key_prefix=f"rt-{uuid.uuid4().hex}")

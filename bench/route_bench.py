@@ -29,8 +29,8 @@ import numpy as np
 
 from gateway.config import GatewayConfig
 from gateway.registry import Registry
-from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from kvindex.memory import MemoryIndex
+from kvindex.prompt import PromptHasher
 from scoring.catalog import load_catalog
 from scoring.load import leg_load
 from scoring.router import build_router
@@ -66,10 +66,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     registry = Registry(config)
     pool = registry.pools[MODEL]
     ids = [b.id for b in pool.backends]
-    # Real chained 64-bit block hashes, as the gateway computes them: small consecutive ints hash and
-    # compare faster in the index's dict (the lookup took 85 us with them, 150 us with these).
-    token_ids = [(i * 7919) % 50_000 for i in range(args.tokens)]
-    hashes = tuple(hash_token_ids(token_ids, BLOCK, root_hash(HashMode.TOKENS, MODEL)))
+    # Real chained 64-bit block hashes, in the uint64 array the gateway's hashing step makes.
+    hasher = PromptHasher(MODEL, [BLOCK])
+    hashes = hasher.features({"prompt": [(i * 7919) % 50_000 for i in range(args.tokens)]}, "completions")[1][
+        BLOCK
+    ]
     index = MemoryIndex()
     for i, backend_id in enumerate(ids):
         await index.record(MODEL, BLOCK, hashes[: len(hashes) * (i % 8 + 1) // 8], backend_id)

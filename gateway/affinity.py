@@ -75,7 +75,7 @@ class Affinity:
             if backend.id in self.precise_backends:
                 continue
             hashes = features.block_hashes.get(backend.spec.block_size)
-            if hashes:
+            if hashes is not None and len(hashes):
                 task = asyncio.create_task(
                     self.index.record(request.model, backend.spec.block_size, hashes, backend.id)
                 )

@@ -11,6 +11,7 @@ from typing import Literal
 
 from kvindex.base import PrefixIndex
 from kvindex.guard import FailureCallback, GuardedIndex, failure_counter
+from kvindex.holders import compile_kernels
 from kvindex.memory import DEFAULT_CAPACITY_BLOCKS, MemoryIndex
 from kvindex.prompt import PromptHasher
 
@@ -54,6 +55,7 @@ def build_index(
             default_capacity_blocks=default_capacity_blocks,
         )
     elif store == "memory":
+        compile_kernels()  # before the gateway serves: no request waits for a compile
         inner = MemoryIndex(
             ttl_s=ttl_s, capacity_blocks=capacity_blocks, default_capacity_blocks=default_capacity_blocks
         )

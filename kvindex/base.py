@@ -11,19 +11,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvindex.hashing import BlockHashes
+
 
 class PrefixIndex(Protocol):
     async def match(
-        self, model: str, block_size: int, hashes: Sequence[int], backend_ids: Sequence[str]
+        self, model: str, block_size: int, hashes: BlockHashes, backend_ids: Sequence[str]
     ) -> list[int]:
         """For each backend id (same order), how many leading blocks of `hashes` it holds."""
         ...
 
-    async def record(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
+    async def record(self, model: str, block_size: int, hashes: BlockHashes, backend_id: str) -> None:
         """Note that `backend_id` now holds these blocks (approximate mode, or a BlockStored event)."""
         ...
 
-    async def remove(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
+    async def remove(self, model: str, block_size: int, hashes: BlockHashes, backend_id: str) -> None:
         """Forget these blocks on one backend (a BlockRemoved event)."""
         ...
 

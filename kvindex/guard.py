@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from kvindex.base import PrefixIndex
+from kvindex.hashing import BlockHashes
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +59,20 @@ class GuardedIndex:
         return self._clock() >= self._open_until[_READ]
 
     async def match(
-        self, model: str, block_size: int, hashes: Sequence[int], backend_ids: Sequence[str]
+        self, model: str, block_size: int, hashes: BlockHashes, backend_ids: Sequence[str]
     ) -> list[int]:
         zeros = [0] * len(backend_ids)
-        if not hashes or not backend_ids:
+        if len(hashes) == 0 or not backend_ids:
             return zeros
         result = await self._call("match", self.store.match(model, block_size, hashes, backend_ids))
         return zeros if result is None else result
 
-    async def record(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
-        if hashes:
+    async def record(self, model: str, block_size: int, hashes: BlockHashes, backend_id: str) -> None:
+        if len(hashes):
             await self._call("record", self.store.record(model, block_size, hashes, backend_id))
 
-    async def remove(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
-        if hashes:
+    async def remove(self, model: str, block_size: int, hashes: BlockHashes, backend_id: str) -> None:
+        if len(hashes):
             await self._call("remove", self.store.remove(model, block_size, hashes, backend_id))
 
     async def clear_backend(self, backend_id: str) -> None:

@@ -10,15 +10,25 @@ xxh3-64 rather than blake2b: both are well kept, but on the 2048 blocks of a 32k
 routing hint, not a security boundary; tenant isolation comes from the salted root.
 
 Like vLLM, only full blocks are hashed: a partial tail block is never cached by the engine either.
+
+The request path keeps a prompt's hashes as a uint64 array (`chain_hash_array`): the memory index walks
+them in a compiled loop and the Redis index sends them as one blob. Made once where they are hashed
+(~40 us for 2,048 blocks, a tenth of hashing them), instead of by every reader.
 """
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
+
+# A prompt's chained block hashes: the request path's uint64 array, or ints (KV events, tests).
+BlockHashes: TypeAlias = Sequence[int] | npt.NDArray[np.uint64]
 
 # Text mode: vLLM's block is `block_size` tokens; ~4 characters (bytes, for ASCII) make one token.
 CHARS_PER_TOKEN = 4
@@ -44,11 +54,25 @@ def chain_hashes(data: bytes, chunk_bytes: int, root: int) -> list[int]:
     digest = xxhash.xxh3_64_intdigest
     view = memoryview(data)
     hashes: list[int] = []
+    append = hashes.append
     parent = root
     for start in range(0, len(data) - chunk_bytes + 1, chunk_bytes):
         parent = digest(view[start : start + chunk_bytes], parent)
-        hashes.append(parent)
+        append(parent)
     return hashes
+
+
+def chain_hash_array(data: bytes, chunk_bytes: int, root: int) -> npt.NDArray[np.uint64]:
+    """`chain_hashes` as a uint64 array, converted by `array.array` in one C call: ~40 us for 2,048
+    blocks, where appending to an `array.array` or assigning numpy items while hashing costs twice
+    that."""
+    return np.frombuffer(array.array("Q", chain_hashes(data, chunk_bytes, root)), dtype=np.uint64)
+
+
+def as_hash_array(hashes: BlockHashes) -> npt.NDArray[np.uint64]:
+    """`hashes` as a contiguous, writable uint64 array, the one layout the index's kernels are compiled
+    for: the array itself when it is one (as the request path's are), else a copy (~40 ns a hash)."""
+    return np.require(hashes, dtype=np.uint64, requirements=("C", "W"))
 
 
 def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -65,6 +89,12 @@ def hash_token_ids(token_ids: Sequence[int] | np.ndarray, block_size: int, seed:
     return chain_hashes(pack_token_ids(token_ids), block_size * TOKEN_BYTES, seed)
 
 
-def hash_text(text: str, block_size: int, root: int) -> list[int]:
+def hash_text_array(text: str, block_size: int, root: int) -> npt.NDArray[np.uint64]:
     """Hashes of the full `block_size`-token-sized chunks of rendered conversation text."""
-    return chain_hashes(text.encode("utf-8", "surrogatepass"), block_size * CHARS_PER_TOKEN, root)
+    return chain_hash_array(text.encode("utf-8", "surrogatepass"), block_size * CHARS_PER_TOKEN, root)
+
+
+def hash_text(text: str, block_size: int, root: int) -> list[int]:
+    """`hash_text_array` as Python ints."""
+    hashes: list[int] = hash_text_array(text, block_size, root).tolist()
+    return hashes

@@ -1,7 +1,8 @@
 """The embedded prefix index: one process, no I/O (the default store).
 
-Layout, chosen so `match` costs one dict lookup per block however many backends there are:
-- per key space (model, block_size): block hash -> bitmask of the backend slots holding it;
+Layout, chosen so `match` costs one table lookup per block however many backends there are:
+- per key space (model, block_size): a `HolderTable` (kvindex/holders.py), block hash -> bitmask of the
+  positions of the backends holding it, in numpy arrays walked by compiled loops;
 - per backend: an LRU (OrderedDict, oldest first) of its blocks -> time last recorded, sized by the
   backend's capacity in blocks. All entries share one TTL, so the LRU's front is also the next to
   expire; a sweep drops expired entries at most every TTL/16 (and a backend's own on each record).
@@ -14,27 +15,45 @@ and is evicted last (a backend keeps the start of a prefix longer than its end, 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from itertools import groupby, repeat
-from operator import itemgetter
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from kvindex.hashing import BlockHashes, as_hash_array
+from kvindex.holders import WORD_BITS, HolderTable
 
 DEFAULT_CAPACITY_BLOCKS = 1_000_000
-_BITS_CACHE_SIZE = 64
+_POSITIONS_CACHE_SIZE = 64
 _HASH_MASK = (1 << 64) - 1
-_FIRST_CHUNK = 16  # blocks in the walk's first chunk (then 64, 256, ...)
-_BYTE_BITS = tuple(tuple(i for i in range(8) if byte >> i & 1) for byte in range(256))  # set bits per byte
 
 
 class _Backend:
-    __slots__ = ("bit", "capacity", "lru")
+    __slots__ = ("capacity", "lru", "position")
 
-    def __init__(self, bit: int, capacity: int) -> None:
-        self.bit = bit
+    def __init__(self, position: int, capacity: int) -> None:
+        self.position = position  # its bit in the holders' masks
         self.capacity = capacity
         # (space id << 64 | block hash) -> monotonic time it was last recorded. One int per key, not a
         # tuple: ~25% less memory per indexed block (bench/index_bench.py measures it).
         self.lru: OrderedDict[int, float] = OrderedDict()
+
+
+class _Asked:
+    """A list of asked-for backends, resolved: their positions as one mask, and each one's position
+    (`unknown`, a position never set, for a backend the index has not seen)."""
+
+    __slots__ = ("generation", "positions", "unknown", "wanted")
+
+    def __init__(self, generation: int, positions: list[int | None], words: int) -> None:
+        self.generation = generation
+        self.unknown = words * WORD_BITS
+        wanted = [0] * words
+        for position in positions:
+            if position is not None:
+                wanted[position // WORD_BITS] |= 1 << position % WORD_BITS
+        self.wanted = np.array(wanted, dtype=np.uint64)
+        self.positions = np.array([self.unknown if p is None else p for p in positions], dtype=np.int64)
 
 
 class MemoryIndex:
@@ -52,11 +71,11 @@ class MemoryIndex:
         self._default_capacity = default_capacity_blocks
         self._clock = clock
         self._spaces: dict[tuple[str, int], int] = {}
-        self._holders: list[dict[int, int]] = []  # per space id: block hash -> backend bitmask
+        self._tables: list[HolderTable] = []  # per space id
         self._backends: dict[str, _Backend] = {}
-        self._free_bits: list[int] = []
-        self._generation = 0  # bumped when a backend's bit is assigned or freed
-        self._bits_cache: dict[tuple[str, ...], tuple[int, int, dict[int, list[int]]]] = {}
+        self._free_positions: list[int] = []
+        self._generation = 0  # bumped when a backend's position is assigned or freed
+        self._asked: dict[tuple[str, ...], _Asked] = {}
         self._next_sweep = 0.0
 
     def set_capacity(self, backend_id: str, blocks: int) -> None:
@@ -68,44 +87,40 @@ class MemoryIndex:
             self._evict_over_capacity(backend)
 
     async def match(
-        self, model: str, block_size: int, hashes: Sequence[int], backend_ids: Sequence[str]
+        self, model: str, block_size: int, hashes: BlockHashes, backend_ids: Sequence[str]
     ) -> list[int]:
         return self.match_now(model, block_size, hashes, backend_ids)
 
-    async def record(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
+    async def record(self, model: str, block_size: int, hashes: BlockHashes, backend_id: str) -> None:
         self.record_now(model, block_size, hashes, backend_id)
 
     def match_now(
-        self, model: str, block_size: int, hashes: Sequence[int], backend_ids: Sequence[str]
+        self, model: str, block_size: int, hashes: BlockHashes, backend_ids: Sequence[str]
     ) -> list[int]:
         """`match` without the coroutine, for synchronous callers (the discrete-event simulator)."""
-        counts = [0] * len(backend_ids)
         space = self._spaces.get((model, block_size))
-        if space is None or not hashes:
-            return counts
+        if space is None or len(hashes) == 0:
+            return [0] * len(backend_ids)
         self._sweep_if_due()
-        wanted, slot_of_bit = self._bits_of(backend_ids)
-        self._walk(self._holders[space], hashes, wanted, slot_of_bit, counts)
+        asked = self._resolve(backend_ids)
+        depth = np.zeros(asked.unknown + 1, dtype=np.int64)
+        self._tables[space].walk(as_hash_array(hashes), asked.wanted, depth)
+        counts: list[int] = depth[asked.positions].tolist()
         return counts
 
-    def _bits_of(self, backend_ids: Sequence[str]) -> tuple[int, dict[int, list[int]]]:
-        """The asked-for backends as one bitmask, and bit position -> their slots; cached per backend list
-        (a model's list is the same on every request) until a backend appears or is cleared."""
+    def _resolve(self, backend_ids: Sequence[str]) -> _Asked:
+        """The asked-for backends' positions; cached per backend list (a model's list is the same on
+        every request) until a backend appears or is cleared."""
         key = tuple(backend_ids)
-        cached = self._bits_cache.get(key)
-        if cached is not None and cached[0] == self._generation:
-            return cached[1], cached[2]
-        wanted = 0
-        slot_of_bit: dict[int, list[int]] = {}
-        for i, backend_id in enumerate(backend_ids):
-            backend = self._backends.get(backend_id)
-            if backend is not None:
-                wanted |= backend.bit
-                slot_of_bit.setdefault(backend.bit.bit_length() - 1, []).append(i)
-        if len(self._bits_cache) >= _BITS_CACHE_SIZE:
-            self._bits_cache.clear()
-        self._bits_cache[key] = (self._generation, wanted, slot_of_bit)
-        return wanted, slot_of_bit
+        cached = self._asked.get(key)
+        if cached is not None and cached.generation == self._generation:
+            return cached
+        positions = [b.position if (b := self._backends.get(i)) is not None else None for i in backend_ids]
+        words = 1 + max((b.position for b in self._backends.values()), default=0) // WORD_BITS
+        if len(self._asked) >= _POSITIONS_CACHE_SIZE:
+            self._asked.clear()
+        asked = self._asked[key] = _Asked(self._generation, positions, words)
+        return asked
 
     def _sweep_if_due(self) -> None:
         """Expire every backend's old entries, at most every TTL/16 (so entries live < 1.07 TTL)."""
@@ -116,82 +131,44 @@ class MemoryIndex:
         for backend in self._backends.values():
             self._expire(backend, now)
 
-    @staticmethod
-    def _walk(
-        holders: dict[int, int],
-        hashes: Sequence[int],
-        alive: int,
-        slot_of_bit: dict[int, list[int]],
-        counts: list[int],
-    ) -> None:
-        """Leading blocks held per backend: AND the holders' bitmasks until nobody is left.
-
-        Over chunks that grow 4x (a prompt nobody holds costs one short chunk), the masks are fetched
-        by one C call (`itemgetter`) and walked in runs of equal masks (`groupby`, in C; a run's length
-        by `list`, in C too): a run's mask is AND-ed once, so the Python work is per run, not per
-        block. A prefix held by some backends is a few long runs; AND-ing every block as a Python int
-        cost ~50 ns a block (2,048 blocks: most of the lookup)."""
-        depth, size, total = 0, _FIRST_CHUNK, len(hashes)
-        while alive and depth < total:
-            chunk = hashes[depth : depth + size]
-            at = depth
-            for mask, run in groupby(_masks(holders, chunk)):
-                if mask & alive != alive:
-                    _set_counts(alive & ~mask, at, slot_of_bit, counts)
-                    alive &= mask
-                    if not alive:
-                        break
-                at += len(list(run))
-            depth += len(chunk)
-            size *= 4
-        _set_counts(alive, total, slot_of_bit, counts)  # held the whole prompt
-
-    def record_now(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
+    def record_now(self, model: str, block_size: int, hashes: BlockHashes, backend_id: str) -> None:
         """`record` without the coroutine."""
-        if not hashes:
+        if len(hashes) == 0:
             return
         backend = self._backend(backend_id)
         space = self._space(model, block_size)
-        holders = self._holders[space]
+        blocks = as_hash_array(hashes)
+        self._tables[space].add(blocks, backend.position)
         now = self._clock()
-        lru, bit = backend.lru, backend.bit
-        # A run of blocks with one holders' mask (one int object) gets one new object: equal masks that
-        # are the same object compare by identity, which `_walk`'s `groupby` does first.
-        last_old, last_new = -1, 0
-        for block_hash in reversed(hashes):  # head last: most recently used, evicted last
-            key = space << 64 | block_hash
+        lru, base = backend.lru, space << 64
+        for block_hash in reversed(blocks.tolist()):  # head last: most recently used, evicted last
+            key = base | block_hash
             if key in lru:
                 lru.move_to_end(key)
-            old = holders.get(block_hash, 0)
-            if old is not last_old:
-                last_old, last_new = old, old | bit
-            holders[block_hash] = last_new
             lru[key] = now
         self._expire(backend, now)
         self._evict_over_capacity(backend)
 
-    async def remove(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
+    async def remove(self, model: str, block_size: int, hashes: BlockHashes, backend_id: str) -> None:
         backend = self._backends.get(backend_id)
         space = self._spaces.get((model, block_size))
         if backend is None or space is None:
             return
-        for block_hash in hashes:
-            key = space << 64 | block_hash
-            if backend.lru.pop(key, None) is not None:
-                self._drop_holder(key, backend.bit)
+        base, lru = space << 64, backend.lru
+        held = [key for h in as_hash_array(hashes).tolist() if lru.pop(key := base | h, None) is not None]
+        self._drop(held, backend)
 
     async def clear_backend(self, backend_id: str) -> None:
         backend = self._backends.pop(backend_id, None)
         if backend is None:
             return
-        for key in backend.lru:
-            self._drop_holder(key, backend.bit)
+        self._drop(backend.lru, backend)
         backend.lru.clear()
-        self._free_bits.append(backend.bit)
+        self._free_positions.append(backend.position)
         self._generation += 1
 
     async def close(self) -> None:
-        self._holders.clear()
+        self._tables.clear()
         self._spaces.clear()
         self._backends.clear()
 
@@ -199,72 +176,48 @@ class MemoryIndex:
         """Sizes for benchmarks and debugging (no hashes, no ids)."""
         return {
             "backends": len(self._backends),
-            "blocks": sum(len(h) for h in self._holders),
+            "blocks": sum(len(t) for t in self._tables),
             "entries": sum(len(b.lru) for b in self._backends.values()),
         }
 
     def _backend(self, backend_id: str) -> _Backend:
         backend = self._backends.get(backend_id)
         if backend is None:
-            bit = self._free_bits.pop() if self._free_bits else 1 << len(self._backends)
+            position = self._free_positions.pop() if self._free_positions else len(self._backends)
             capacity = self._capacities.get(backend_id, self._default_capacity)
-            backend = self._backends[backend_id] = _Backend(bit, capacity)
+            backend = self._backends[backend_id] = _Backend(position, capacity)
             self._generation += 1
         return backend
 
     def _space(self, model: str, block_size: int) -> int:
         space = self._spaces.get((model, block_size))
         if space is None:
-            space = self._spaces[(model, block_size)] = len(self._holders)
-            self._holders.append({})
+            space = self._spaces[(model, block_size)] = len(self._tables)
+            self._tables.append(HolderTable())
         return space
 
     def _expire(self, backend: _Backend, now: float) -> None:
         lru = backend.lru
         deadline = now - self._ttl
+        expired: list[int] = []
         while lru:
             key, touched = next(iter(lru.items()))
             if touched > deadline:
-                return
+                break
             del lru[key]
-            self._drop_holder(key, backend.bit)
+            expired.append(key)
+        self._drop(expired, backend)
 
     def _evict_over_capacity(self, backend: _Backend) -> None:
         lru = backend.lru
-        while len(lru) > backend.capacity:
-            key, _ = lru.popitem(last=False)
-            self._drop_holder(key, backend.bit)
+        over = len(lru) - backend.capacity
+        if over > 0:
+            self._drop([lru.popitem(last=False)[0] for _ in range(over)], backend)
 
-    def _drop_holder(self, key: int, bit: int) -> None:
-        holders = self._holders[key >> 64]
-        block_hash = key & _HASH_MASK
-        mask = holders.get(block_hash, 0) & ~bit
-        if mask:
-            holders[block_hash] = mask
-        else:
-            holders.pop(block_hash, None)
-
-
-def _masks(holders: dict[int, int], chunk: Sequence[int]) -> Sequence[int]:
-    """The holders' bitmask of every block of `chunk` (0: nobody holds it), by one C call when every
-    block is held (`itemgetter` of one key returns the value alone, not a 1-tuple)."""
-    if len(chunk) > 1:
-        try:
-            masks: Sequence[int] = itemgetter(*chunk)(holders)
-            return masks
-        except KeyError:
-            pass
-    return tuple(map(holders.get, chunk, repeat(0)))
-
-
-def _set_counts(bits: int, count: int, slot_of_bit: dict[int, list[int]], counts: list[int]) -> None:
-    """Set `count` for every backend whose bit is in `bits` (`slot_of_bit`: bit position -> slots):
-    byte by byte, a byte's set bits from a table. Peeling the lowest bit off a 64-bit int took four
-    int operations a backend, as long as the rest of the lookup's Python work together."""
-    at = 0
-    for byte in bits.to_bytes((bits.bit_length() + 7) // 8, "little"):
-        if byte:
-            for i in _BYTE_BITS[byte]:
-                for slot in slot_of_bit[at + i]:
-                    counts[slot] = count
-        at += 8
+    def _drop(self, keys: Iterable[int], backend: _Backend) -> None:
+        """Clear the backend's bit on these (space << 64 | hash) keys, one table call per space."""
+        per_space: defaultdict[int, list[int]] = defaultdict(list)
+        for key in keys:
+            per_space[key >> 64].append(key & _HASH_MASK)
+        for space, hashes in per_space.items():
+            self._tables[space].drop(as_hash_array(hashes), backend.position)

@@ -20,9 +20,10 @@ import orjson
 from kvindex.hashing import (
     CHARS_PER_TOKEN,
     TOKEN_BYTES,
+    BlockHashes,
     HashMode,
-    chain_hashes,
-    hash_text,
+    chain_hash_array,
+    hash_text_array,
     hash_token_ids,
     pack_token_ids,
     root_hash,
@@ -30,7 +31,7 @@ from kvindex.hashing import (
 from kvindex.tokenizer import ChatTokenizer, TokenizerError
 
 RequestKind = Literal["chat", "completions"]
-Features = tuple[int, dict[int, tuple[int, ...]]]
+Features = tuple[int, dict[int, BlockHashes]]
 
 
 class PromptHasher:
@@ -74,7 +75,7 @@ class PromptHasher:
             return len(token_ids), self._hash_tokens(token_ids, tenant)
         text = render_chat_text(body) if kind == "chat" else _prompt_text(body.get("prompt"))
         root = self.root(HashMode.TEXT, tenant)
-        hashes = {bs: tuple(hash_text(text, bs, root)) for bs in self.block_sizes}
+        hashes: dict[int, BlockHashes] = {bs: hash_text_array(text, bs, root) for bs in self.block_sizes}
         return -(-len(text) // CHARS_PER_TOKEN), hashes
 
     def hash_token_ids(
@@ -85,10 +86,10 @@ class PromptHasher:
 
     def _hash_tokens(
         self, token_ids: Sequence[int] | np.ndarray, tenant: str | None
-    ) -> dict[int, tuple[int, ...]]:
+    ) -> dict[int, BlockHashes]:
         packed = pack_token_ids(token_ids)  # packed once, reused for every block size
         root = self.root(HashMode.TOKENS, tenant)
-        return {bs: tuple(chain_hashes(packed, bs * TOKEN_BYTES, root)) for bs in self.block_sizes}
+        return {bs: chain_hash_array(packed, bs * TOKEN_BYTES, root) for bs in self.block_sizes}
 
     def _token_ids(self, body: Mapping[str, Any], kind: RequestKind) -> Sequence[int] | np.ndarray | None:
         """Token ids when we can know them exactly; None means hash text instead."""

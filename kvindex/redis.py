@@ -37,6 +37,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.typing import EncodableT
 
+from kvindex.hashing import BlockHashes
 from kvindex.memory import DEFAULT_CAPACITY_BLOCKS
 
 MAX_SLOTS = 65536  # backends ever mapped per key prefix; block bitmaps stay <= 8 KiB
@@ -314,17 +315,17 @@ class RedisIndex:
         self._capacities[backend_id] = blocks
 
     async def match(
-        self, model: str, block_size: int, hashes: Sequence[int], backend_ids: Sequence[str]
+        self, model: str, block_size: int, hashes: BlockHashes, backend_ids: Sequence[str]
     ) -> list[int]:
-        if not hashes or not backend_ids:
+        if len(hashes) == 0 or not backend_ids:
             return [0] * len(backend_ids)
         space, blob = self._space(model, block_size), _pack(hashes)
         args: list[EncodableT] = [_now_ms(), self._ttl_ms, self._backend_key(""), space, blob, *backend_ids]
         reply = await self._match(keys=self._shared, args=args)
         return _validated_counts(reply, len(backend_ids), len(hashes))
 
-    async def record(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
-        if not hashes:
+    async def record(self, model: str, block_size: int, hashes: BlockHashes, backend_id: str) -> None:
+        if len(hashes) == 0:
             return
         capacity = self._capacities.get(backend_id, self._default_capacity)
         args: list[EncodableT] = [
@@ -337,8 +338,8 @@ class RedisIndex:
         ]
         await self._record(keys=[*self._shared, self._backend_key(backend_id)], args=args)
 
-    async def remove(self, model: str, block_size: int, hashes: Sequence[int], backend_id: str) -> None:
-        if hashes:
+    async def remove(self, model: str, block_size: int, hashes: BlockHashes, backend_id: str) -> None:
+        if len(hashes):
             args: list[EncodableT] = [backend_id, self._ttl_ms, self._space(model, block_size), _pack(hashes)]
             await self._remove(keys=[*self._shared, self._backend_key(backend_id)], args=args)
 
@@ -358,7 +359,7 @@ class RedisIndex:
         return f"{self._prefix}:backend:{backend_id}"
 
 
-def _pack(hashes: Sequence[int]) -> bytes:
+def _pack(hashes: BlockHashes) -> bytes:
     """All block hashes as one argument: building thousands of key arguments in redis-py cost more
     than the whole script (10+ ms for a 32k-token prompt)."""
     return np.asarray(hashes, dtype=">u8").tobytes()

@@ -68,8 +68,9 @@ class RequestFeatures:
     prompt_tokens: int
     max_tokens: int
     stream: bool = False
-    # Chained block hashes of the prompt, per block size used by this model's backends.
-    block_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    # Chained block hashes of the prompt, per block size used by this model's backends (the gateway's
+    # are uint64 arrays: `kvindex.hashing.BlockHashes`).
+    block_hashes: Mapping[int, Sequence[int] | np.ndarray] = field(default_factory=dict)
     # Per-request SLO in seconds (headers x-hetgate-slo-ttft-ms / -tpot-ms); None: the model's.
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
