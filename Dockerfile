@@ -15,7 +15,7 @@ COPY configs ./configs
 # A regular install: the wheel carries configs/ (as the package hetgate_configs) and the traces.
 RUN pip install --no-cache-dir . \
     && useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin hetgate \
-    && cd / && python -c "import kvindex.holders, scoring.cost_policy as c; c.compile_kernels(); kvindex.holders.compile_kernels()" \
+    && cd / && python -c "import kvindex, scoring.cost_policy as c; c.compile_kernels(); kvindex.compile_kernels()" \
     && chown -R hetgate "$NUMBA_CACHE_DIR"
 
 USER hetgate

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
+from kvindex import holders, xxh3
 from kvindex.base import PrefixIndex
 from kvindex.guard import FailureCallback, GuardedIndex, failure_counter
-from kvindex.holders import compile_kernels
 from kvindex.memory import DEFAULT_CAPACITY_BLOCKS, MemoryIndex
 from kvindex.prompt import PromptHasher
 
@@ -20,8 +20,17 @@ __all__ = [
     "MemoryIndex",
     "PromptHasher",
     "build_index",
+    "compile_kernels",
     "failure_counter",
 ]
+
+
+def compile_kernels() -> None:
+    """Compile (or load from numba's cache) the index's kernels: block hashing (`kvindex/xxh3.py`) and
+    the memory store's table (`kvindex/holders.py`). `build_index` runs this, so no request (nor the
+    event loop) waits for a compile."""
+    xxh3.compile_kernels()
+    holders.compile_kernels()
 
 
 def build_index(
@@ -41,6 +50,7 @@ def build_index(
 
     Creating the Redis client does not connect; the first call does, under the guard's deadline.
     """
+    compile_kernels()
     inner: PrefixIndex
     if store == "redis":
         from kvindex.redis import RedisIndex
@@ -55,7 +65,6 @@ def build_index(
             default_capacity_blocks=default_capacity_blocks,
         )
     elif store == "memory":
-        compile_kernels()  # before the gateway serves: no request waits for a compile
         inner = MemoryIndex(
             ttl_s=ttl_s, capacity_blocks=capacity_blocks, default_capacity_blocks=default_capacity_blocks
         )

@@ -46,7 +46,7 @@ if [ "${HETGATE_SKIP_VLLM_SETUP:-0}" != 1 ]; then
 fi
 
 say "compiling routing's kernels (numba caches them: ~15 s once)"
-python3 -c "import kvindex.holders, scoring.cost_policy as c; c.compile_kernels(); kvindex.holders.compile_kernels()"
+python3 -c "import kvindex, scoring.cost_policy as c; c.compile_kernels(); kvindex.compile_kernels()"
 
 say "ruff"
 python3 -m ruff check .

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import asyncio, json
 import numpy as np
-from kvindex import holders
+import kvindex
 from scoring.cost_policy import compile_kernels
 from scoring.jit import KERNELS
 
@@ -24,7 +24,7 @@ def compiled():
     return [len(k.signatures) if hasattr(k, "signatures") else len(k.types) for k in KERNELS]
 
 compile_kernels()
-holders.compile_kernels()
+kvindex.compile_kernels()
 warm = compiled()
 
 from bench import policies
@@ -55,7 +55,9 @@ from kvindex.prompt import PromptHasher
 
 async def index_calls():
     index = build_index("memory")
-    hashes = PromptHasher(MODEL, [16]).features({"prompt": list(range(4096))}, "completions")[1][16]
+    hasher = PromptHasher(MODEL, [16, 32, 64])  # 64-token blocks: hashed by the library
+    hasher.features({"messages": [{"role": "user", "content": "x" * 9000}]}, "chat")
+    hashes = hasher.features({"prompt": list(range(4096))}, "completions")[1][16]
     ids = [f"b{i}" for i in range(70)]  # masks of two words
     for i, backend_id in enumerate(ids):
         await index.record(MODEL, 16, hashes[: 4 * i], backend_id)
@@ -80,7 +82,7 @@ def test_routing_after_the_warm_up_compiles_nothing_more() -> None:
     warm = dict(zip(result["names"], result["warm"], strict=False))  # the ufunc's name comes first
     # The kernels routing calls from Python (the others are compiled into them).
     scoring = ("_load_rows", "_price_rows", "_split", "_ranked", "rotated")
-    assert all(warm[name] >= 1 for name in (*scoring, "_add", "_drop", "_walk", "_rehash"))
+    assert all(warm[name] >= 1 for name in (*scoring, "_add", "_drop", "_walk", "_rehash", "_chain"))
     counts = zip(result["names"], result["warm"], result["after"], strict=True)
     grew = [name for name, before, after in counts if after != before]
     assert grew == [], f"kernels compiled after the warm-up: {grew}"
