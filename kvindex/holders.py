@@ -23,6 +23,9 @@ _MIN_SLOTS = 1024
 WORD_BITS = 64
 
 U64Array = npt.NDArray[np.uint64]
+# The table's arrays, as its kernels take them: keys, slot states, masks [slot, word], and the shift that
+# turns a hash into its first slot.
+Arrays = tuple[U64Array, npt.NDArray[np.uint8], U64Array, int]
 
 
 class HolderTable:
@@ -43,7 +46,7 @@ class HolderTable:
             self._rebuild(self.keys.shape[0], word + 1)
         if 2 * (self._taken + len(hashes)) > self.keys.shape[0]:
             self._rebuild(_slots_for(self.size + len(hashes)), self.masks.shape[1])
-        added, reused = _add(self.keys, self.state, self.masks, self._shift, hashes, word, _bit(bit))
+        added, reused = _add(self._arrays(), hashes, word, _bit(bit))
         self.size += added
         self._taken += added - reused
 
@@ -51,12 +54,15 @@ class HolderTable:
         """Backend `position` no longer holds these blocks; a block nobody holds leaves the table."""
         word, bit = divmod(position, WORD_BITS)
         if word < self.masks.shape[1]:
-            self.size -= _drop(self.keys, self.state, self.masks, self._shift, hashes, word, _bit(bit))
+            self.size -= _drop(self._arrays(), hashes, word, _bit(bit))
 
     def walk(self, hashes: U64Array, wanted: U64Array, depth: npt.NDArray[np.int64]) -> None:
         """Per backend position in `wanted` (a mask of any number of words), the number of leading
         blocks of `hashes` it holds, into `depth[position]` (other positions are left as they are)."""
-        _walk(self.keys, self.state, self.masks, self._shift, hashes, wanted, depth)
+        _walk(self._arrays(), hashes, wanted, depth)
+
+    def _arrays(self) -> Arrays:
+        return self.keys, self.state, self.masks, self._shift
 
     def _allocate(self, slots: int, words: int) -> None:
         self.keys = np.zeros(slots, dtype=np.uint64)
@@ -65,9 +71,9 @@ class HolderTable:
         self._shift = 64 - (slots.bit_length() - 1)
 
     def _rebuild(self, slots: int, words: int) -> None:
-        keys, state, masks = self.keys, self.state, self.masks
+        old = self._arrays()
         self._allocate(slots, words)
-        _rehash(keys, state, masks, self.keys, self.state, self.masks, self._shift)
+        _rehash(old, self._arrays())
         self._taken = self.size
 
 
@@ -87,8 +93,9 @@ def _home(block_hash: np.uint64, shift: int) -> int:
 
 
 @kernel
-def _find(keys: U64Array, state: npt.NDArray[np.uint8], shift: int, block_hash: np.uint64) -> int:
+def _find(table: Arrays, block_hash: np.uint64) -> int:
     """The slot holding `block_hash`, or -1."""
+    keys, state, _, shift = table
     last = keys.shape[0] - 1
     slot = _home(block_hash, shift)
     while state[slot] != _EMPTY:
@@ -99,17 +106,10 @@ def _find(keys: U64Array, state: npt.NDArray[np.uint8], shift: int, block_hash: 
 
 
 @kernel
-def _add(
-    keys: U64Array,
-    state: npt.NDArray[np.uint8],
-    masks: U64Array,
-    shift: int,
-    hashes: U64Array,
-    word: int,
-    bit: np.uint64,
-) -> tuple[int, int]:
+def _add(table: Arrays, hashes: U64Array, word: int, bit: np.uint64) -> tuple[int, int]:
     """OR `bit` into word `word` of each block's mask, inserting the blocks not yet held. Returns the
     entries added and how many of them reused a tombstone."""
+    keys, state, masks, shift = table
     last = keys.shape[0] - 1
     added = 0
     reused = 0
@@ -135,20 +135,13 @@ def _add(
 
 
 @kernel
-def _drop(
-    keys: U64Array,
-    state: npt.NDArray[np.uint8],
-    masks: U64Array,
-    shift: int,
-    hashes: U64Array,
-    word: int,
-    bit: np.uint64,
-) -> int:
+def _drop(table: Arrays, hashes: U64Array, word: int, bit: np.uint64) -> int:
     """Clear `bit` in each block's mask; entries left with no holder become tombstones. Returns how
     many did."""
+    _, state, masks, _ = table
     removed = 0
     for block_hash in hashes:
-        slot = _find(keys, state, shift, block_hash)
+        slot = _find(table, block_hash)
         if slot < 0 or masks[slot, word] & bit == 0:
             continue
         masks[slot, word] &= ~bit
@@ -159,17 +152,10 @@ def _drop(
 
 
 @kernel
-def _walk(
-    keys: U64Array,
-    state: npt.NDArray[np.uint8],
-    masks: U64Array,
-    shift: int,
-    hashes: U64Array,
-    wanted: U64Array,
-    depth: npt.NDArray[np.int64],
-) -> None:
+def _walk(table: Arrays, hashes: U64Array, wanted: U64Array, depth: npt.NDArray[np.int64]) -> None:
     """AND the blocks' masks from the first block on; a position leaving the AND at block i held i
     leading blocks. Stops as soon as no wanted position is left."""
+    masks = table[2]
     alive = wanted.copy()
     words = min(wanted.shape[0], masks.shape[1])
     for w in range(words, wanted.shape[0]):  # positions beyond the table's words hold nothing here
@@ -179,7 +165,7 @@ def _walk(
     for i in range(hashes.shape[0]):
         if not left:
             return
-        slot = _find(keys, state, shift, hashes[i])
+        slot = _find(table, hashes[i])
         left = False
         for w in range(words):
             held = masks[slot, w] if slot >= 0 else np.uint64(0)
@@ -209,28 +195,22 @@ def _bit_index(single_bit: np.uint64) -> int:
 
 
 @kernel
-def _rehash(
-    keys: U64Array,
-    state: npt.NDArray[np.uint8],
-    masks: U64Array,
-    new_keys: U64Array,
-    new_state: npt.NDArray[np.uint8],
-    new_masks: U64Array,
-    shift: int,
-) -> None:
+def _rehash(old: Arrays, new: Arrays) -> None:
     """Insert every held entry of the old arrays into the new (empty) ones; tombstones are dropped and
     masks keep their words (the new arrays may have more)."""
+    keys, state, masks, _ = old
+    new_keys, new_state, new_masks, shift = new
     last = new_keys.shape[0] - 1
     words = masks.shape[1]
-    for old in range(keys.shape[0]):
-        if state[old] != _FULL:
+    for entry in range(keys.shape[0]):
+        if state[entry] != _FULL:
             continue
-        slot = _home(keys[old], shift)
+        slot = _home(keys[entry], shift)
         while new_state[slot] != _EMPTY:
             slot = (slot + 1) & last
-        new_keys[slot] = keys[old]
+        new_keys[slot] = keys[entry]
         new_state[slot] = _FULL
-        new_masks[slot, :words] = masks[old]
+        new_masks[slot, :words] = masks[entry]
 
 
 def compile_kernels() -> None:
