@@ -59,6 +59,19 @@ def chain_hash_array(data: bytes, chunk_bytes: int, root: int) -> npt.NDArray[np
     else one library call per block (~400 us for as many)."""
     if xxh3.compiled_size(chunk_bytes):
         return xxh3.chained(data, chunk_bytes, root)
+    return np.frombuffer(array.array("Q", _library_chain(data, chunk_bytes, root)), dtype=np.uint64)
+
+
+def chain_hashes(data: bytes, chunk_bytes: int, root: int) -> list[int]:
+    """`chain_hash_array` as Python ints (KV events, off the request path)."""
+    if xxh3.compiled_size(chunk_bytes):
+        hashes: list[int] = xxh3.chained(data, chunk_bytes, root).tolist()
+        return hashes
+    return _library_chain(data, chunk_bytes, root)
+
+
+def _library_chain(data: bytes, chunk_bytes: int, root: int) -> list[int]:
+    """The chain by one `xxhash` call per block, for the sizes `kvindex/xxh3.py` does not take."""
     digest = xxhash.xxh3_64_intdigest
     view = memoryview(data)
     hashes: list[int] = []
@@ -66,12 +79,6 @@ def chain_hash_array(data: bytes, chunk_bytes: int, root: int) -> npt.NDArray[np
     for start in range(0, len(data) - chunk_bytes + 1, chunk_bytes):
         parent = digest(view[start : start + chunk_bytes], parent)
         hashes.append(parent)
-    return np.frombuffer(array.array("Q", hashes), dtype=np.uint64)
-
-
-def chain_hashes(data: bytes, chunk_bytes: int, root: int) -> list[int]:
-    """`chain_hash_array` as Python ints (KV events, off the request path)."""
-    hashes: list[int] = chain_hash_array(data, chunk_bytes, root).tolist()
     return hashes
 
 
@@ -111,9 +118,3 @@ def hash_token_ids(token_ids: Sequence[int] | np.ndarray, block_size: int, seed:
 def hash_text_array(text: str, block_size: int, root: int) -> npt.NDArray[np.uint64]:
     """Hashes of the full `block_size`-token-sized chunks of rendered conversation text."""
     return chain_hash_array(text.encode("utf-8", "surrogatepass"), block_size * CHARS_PER_TOKEN, root)
-
-
-def hash_text(text: str, block_size: int, root: int) -> list[int]:
-    """`hash_text_array` as Python ints."""
-    hashes: list[int] = hash_text_array(text, block_size, root).tolist()
-    return hashes

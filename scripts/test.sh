@@ -45,7 +45,7 @@ if [ "${HETGATE_SKIP_VLLM_SETUP:-0}" != 1 ]; then
   bash scripts/setup_vllm_env.sh --with-nixl
 fi
 
-say "compiling routing's kernels (numba caches them: ~15 s once)"
+say "compiling the router's and the prefix index's kernels (numba caches them: ~30 s once)"
 python3 -c "import kvindex, scoring.cost_policy as c; c.compile_kernels(); kvindex.compile_kernels()"
 
 say "ruff"

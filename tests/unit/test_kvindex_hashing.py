@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from kvindex.hashing import HashMode, chain_hashes, hash_text, hash_token_ids, root_hash
+from kvindex.hashing import HashMode, chain_hashes, hash_text_array, hash_token_ids, root_hash
 from kvindex.prompt import PromptHasher, render_chat_text
 from kvindex.tokenizer import ChatTokenizer, TokenizerError
 
@@ -64,7 +64,7 @@ def test_hashes_are_64_bit_and_deterministic() -> None:
 
 
 def test_text_chunks_are_block_size_times_four_bytes() -> None:
-    assert len(hash_text("a" * (16 * 4 * 3 + 5), 16, ROOT)) == 3
+    assert len(hash_text_array("a" * (16 * 4 * 3 + 5), 16, ROOT)) == 3
 
 
 CHAT = {
