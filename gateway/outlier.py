@@ -83,6 +83,10 @@ class OutlierPool:
         self._eject(member, now)
         return True
 
+    def ejected_now(self, now: float) -> list[OutlierState]:
+        """The members ejected at `now` (those whose time is over are released lazily, not here)."""
+        return [m for m in self._ejected if m.ejected(now)] if self._ejected else []
+
     def release_due(self, now: float) -> list[OutlierState]:
         """Bring back every backend whose ejection time is over; returns them."""
         if not self._ejected:

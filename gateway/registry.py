@@ -172,6 +172,7 @@ class ModelPool:
         self.outliers = OutlierPool(health.outlier, [b.outlier for b in backends])
         self._panic_below = len(backends) * health.panic_threshold_percent / 100
         self._everyone = np.ones(len(backends), dtype=bool)
+        self._rows = {b.id: i for i, b in enumerate(backends)}
         self.specs = tuple(b.spec for b in backends)
         self.block_sizes = tuple(sorted({b.spec.block_size for b in backends}))
         self._can_prefill = np.array([Role.PREFILL in s.roles for s in self.specs], dtype=bool)
@@ -187,7 +188,11 @@ class ModelPool:
 
     def routable(self, now: float) -> np.ndarray:
         """Who may get traffic: the available backends, or all of them in panic mode."""
-        available = [b.available(now) for b in self.backends]  # a list: cheaper than np.fromiter here
+        # `BackendState.available` of each, in two passes: the probes, then the few ejected backends
+        # (the outlier pool keeps them), not a method call per backend per request (~10 us of 64).
+        available = [b.probe_up for b in self.backends]  # a list: cheaper than np.fromiter here
+        for member in self.outliers.ejected_now(now):
+            available[self._rows[member.key]] = False
         if available.count(True) < self._panic_below:
             return self._everyone
         return np.array(available, dtype=bool)

@@ -111,6 +111,14 @@ _PLANNED_KEPT = 64  # per backend: more than a step's worth of queued prompts
 _Key = TypeVar("_Key", str, tuple[str, str])  # what a correction is kept per: backend, or transfer pair
 # A `Prediction`'s fields in order, less `joined` (what `CostRanker._route` builds it from).
 _Predicted = tuple[float, float, float, float, float, float, float, float, tuple[int, ...]]
+# `_price_rows`' arguments (`CostRanker._price_args`)
+_PriceArgs = tuple[
+    tuple[np.ndarray, np.ndarray, float],
+    tuple[float, float, bool, float, float],
+    tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    tuple[np.ndarray, ...],
+    tuple[np.ndarray, np.ndarray],
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +142,7 @@ class _Cluster:
     kv_limit: np.ndarray  # the KV tokens a plan may fill (95 % of the capacity)
     # [4, p, d]: the pair correction, seconds per KV token (without the fixed latency), the fixed latency,
     # the split's TTFT headroom (`_learn_headroom`); one array so a plan's pairs take all four at once
-    # (`_best_pair`).
+    # (`_split`).
     links: np.ndarray
     fastest_prefill: ScalarStepTime  # the backend with the most compute, alone
     fastest_prefill_row: int
@@ -237,23 +245,38 @@ class CostRanker(SimpleRanker):
         self, request: RequestFeatures, c: Candidates, cl: _Cluster, idle_is_free: bool = False
     ) -> _Priced:
         """Every plan's figures per backend (`_Priced`), under the request's SLO targets: `_price_rows`
-        in one compiled loop over the backends (as numpy, ~300 calls of ~1 us on 64 rows)."""
+        in one compiled loop over the backends (as numpy, ~300 calls of ~1 us on 64 rows). `choose`
+        prices inside `_plan_kernel` instead, from the same arguments."""
+        args = self._price_args(request, c, cl, idle_is_free)
+        rows = _price_rows(*args)
+        figures: list[np.ndarray] = list(rows)
+        figures[kv_ok_], figures[aok_] = rows[kv_ok_] > 0, rows[aok_] > 0
+        return _Priced(args[1][3:5], *figures)
+
+    def _price_args(
+        self, request: RequestFeatures, c: Candidates, cl: _Cluster, idle_is_free: bool
+    ) -> _PriceArgs:
+        """`_price_rows`' arguments: the engine, the request under its SLO targets, the cluster's
+        corrections, the load columns (the surviving cached tokens first) and the split legs due."""
         work = cl.work
-        slo = self._targets(request, cl)
+        slo_ttft, slo_tpot = self._targets(request, cl)
         f = np.float64
         context = work.context(c.context_tokens, c.kv_usage, c.context_when_reported)
         columns = (c.surviving_cached(), c.decode_seqs, context, c.prefill_tokens, c.prefill_len,
                    c.step_tokens, c.step_elapsed, c.step_behind)  # fmt: skip
-        rows = _price_rows(
+        return (
             (work.table, work.weights, float(self.chunk_tokens)),
-            (float(request.prompt_tokens), float(max(request.max_tokens, 1)), idle_is_free, *slo),
+            (
+                float(request.prompt_tokens),
+                float(max(request.max_tokens, 1)),
+                idle_is_free,
+                slo_ttft,
+                slo_tpot,
+            ),
             (cl.compute_factor, cl.tpot_factor, cl.price, cl.kv_limit, work.fixed_step),
             tuple([np.asarray(x, dtype=f) for x in columns]),
             (np.asarray(c.kv_due_rows, dtype=np.int64), np.asarray(c.kv_due_s, dtype=f)),
         )
-        figures: list[np.ndarray] = list(rows)
-        figures[kv_ok_], figures[aok_] = rows[kv_ok_] > 0, rows[aok_] > 0
-        return _Priced(slo, *figures)
 
     def predicted_ttft(self, request: RequestFeatures, candidates: Candidates) -> np.ndarray:
         """Aggregated TTFT on every backend (queue and own prefill, corrected)."""
@@ -277,49 +300,50 @@ class CostRanker(SimpleRanker):
 
     # --- the choice ------------------------------------------------------------------------------------
     def choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan:
+        """The plan, priced, ranked and paired in one compiled call (`_plan_kernel`); what is left here
+        is turning its arrays into the `RoutePlan` and booking the prefill (`_route`)."""
         c = candidates
-        healthy = c.healthy
-        # Aggregated serving runs on any backend that may decode (a decode-only vLLM serves a request
-        # without KV parameters whole, as the other policies and the fluid bound assume); the delay its
-        # prefill imposes on the decodes running there is in the price.
-        agg_mask = healthy & c.can_decode
-        if not agg_mask.any():
-            agg_mask = healthy
-            if not agg_mask.any():
-                return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
         cl = self._cluster(c.specs)
+        mode = split.disaggregation
         # Without a split, where a request decodes is where it prefills, and an idle backend's weights
         # read cost nothing that was not idle anyway: charged to the first sequence, they made an idle
         # backend look 10x dearer than a busy one and piled requests onto the busiest (B200 + 2xH100,
         # multi-turn chats: 19.3 -> 25.2 requests/s SLO capacity without the charge). With a split
         # allowed, those steps are the price of making a backend a decoder, which keeps a compute-rich
         # one prefilling (dropped there too, the AMD seed case lost a third of its SLO capacity).
-        idle_is_free = split.disaggregation is Disaggregation.NEVER
-        p = self._price(request, c, cl, idle_is_free)
-        agg_cost, agg_finish, agg_ok = p.agg_cost, p.agg_finish, p.agg_ok
-        ranked = _ranked(agg_mask, self._rotate.take(), agg_cost, agg_finish, agg_ok, self.cost_tolerance)
-        aggregated = tuple(ranked.tolist())
-        best_agg = aggregated[0]
-        pair = None
-        if split.disaggregation is not Disaggregation.NEVER:
-            pair = self._best_pair(request, c, cl, p, split)
-        agg_pred = (
-            float(p.wait[best_agg]), float(p.compute[best_agg]), 0.0, float(p.ttft[best_agg]),
-            float(p.tpot[best_agg]), float(p.tpot_seen[best_agg]), float(p.roofline_wait[best_agg]),
-            float(p.roofline_compute[best_agg]), (best_agg,),
+        args = self._price_args(request, c, cl, mode is Disaggregation.NEVER)
+        turn = self._rotate.turn
+        min_lacking = float(split.pd_min_prompt_tokens) if mode is Disaggregation.AUTO else -np.inf
+        rows, ranked, both, pair = _plan_kernel(
+            args, (c.healthy, c.can_prefill, c.can_decode), cl.links,
+            (_SPLIT_CODES[mode], min_lacking, turn, self.cost_tolerance),
         )  # fmt: skip
-        if pair is None:
-            reason = "never" if split.disaggregation is Disaggregation.NEVER else "no_split"
-            return self._route(request, c, (Mode.AGGREGATED, aggregated, (), (), reason), agg_pred, p)
-        prefills, decodes, pair_pred, pair_key = pair
+        if ranked.size == 0:
+            return RoutePlan(mode=Mode.AGGREGATED, reason="no_healthy_backend")
+        found, pi, di, feasible, cost, finish, transfer, ttft, prefills, decodes = pair
+        # The aggregated plans took turn `turn`; a split's two sides `turn + 1` and `turn + 2`.
+        self._rotate.turn = turn + (1 if found == _NO_ROWS else 3)
+        aggregated = tuple(ranked.tolist())
+        best = aggregated[0]
+        agg = rows[:, best].tolist()
+        agg_pred = (agg[wait_], agg[compute_], 0.0, agg[ttft_], agg[tpot_], agg[tseen_], agg[rwait_],
+                    agg[rcomp_], (best,))  # fmt: skip
+        surviving = args[3][0]
+        if found != _FOUND:
+            reason = "never" if mode is Disaggregation.NEVER else "no_split"
+            plan = (Mode.AGGREGATED, aggregated, (), (), reason)
+            return self._route(request, c, plan, agg_pred, rows, surviving)
         # `auto` weighs the split against serving whole where some backend has both roles.
-        if split.disaggregation is Disaggregation.AUTO and (healthy & c.can_prefill & c.can_decode).any():
-            agg_rank = (not bool(agg_ok[best_agg]), agg_cost[best_agg], float(agg_finish[best_agg]))
-            if not _pair_wins(pair_key, agg_rank, self.cost_tolerance):
-                return self._route(
-                    request, c, (Mode.AGGREGATED, aggregated, (), (), "split_costlier"), agg_pred, p
-                )
-        return self._route(request, c, (Mode.PD, aggregated, prefills, decodes, "split"), pair_pred, p)
+        if mode is Disaggregation.AUTO and both:
+            agg_rank = (not agg[aok_] > 0, agg[acost_], agg[afin_])
+            if not _pair_wins((not feasible, cost, finish), agg_rank, self.cost_tolerance):
+                plan = (Mode.AGGREGATED, aggregated, (), (), "split_costlier")
+                return self._route(request, c, plan, agg_pred, rows, surviving)
+        pre, dec = rows[:, pi].tolist(), rows[:, di].tolist()
+        pair_pred = (pre[wait_], pre[compute_], transfer, ttft, dec[tpot_], dec[tseen_], pre[rwait_],
+                     pre[rcomp_], (pi, di))  # fmt: skip
+        plan = (Mode.PD, aggregated, tuple(prefills.tolist()), tuple(decodes.tolist()), "split")
+        return self._route(request, c, plan, pair_pred, rows, surviving)
 
     def _route(
         self,
@@ -327,15 +351,17 @@ class CostRanker(SimpleRanker):
         c: Candidates,
         plan: tuple[Mode, tuple[int, ...], tuple[int, ...], tuple[int, ...], str],
         predicted: _Predicted,
-        p: _Priced,
+        rows: np.ndarray,
+        surviving: np.ndarray,
     ) -> RoutePlan:
         """The plan (mode, aggregated, prefill, decode, reason) with its `Prediction` (the fields in
-        order, less `joined`), its prefill booked on its backend (`_join`, by `p`'s queue there).
-        Built once: rebuilt by `dataclasses.replace`, it cost more than the rest of the plan's
-        bookkeeping."""
+        order, less `joined`), its prefill booked on its backend (`_join`, by `_price_rows`' queue
+        there, and the tokens it should still hold). Built once: rebuilt by `dataclasses.replace`, it
+        cost more than the rest of the plan's bookkeeping."""
         mode, aggregated, prefill, decode, reason = plan
         row = prefill[0] if mode is Mode.PD else aggregated[0]
-        joined = self._join(request, c, row, predicted[7], float(p.opens[row]), float(p.waiting[row]))
+        queue = (float(rows[opens_, row]), float(rows[waiting_, row]), float(surviving[row]))
+        joined = self._join(request, c, row, predicted[7], queue)
         return RoutePlan(mode, aggregated, prefill, decode, reason, Prediction(*predicted, joined=joined))
 
     def _join(
@@ -344,66 +370,38 @@ class CostRanker(SimpleRanker):
         c: Candidates,
         row: int,
         compute_s: float,
-        opens_s: float,
-        waiting: float,
+        queue: tuple[float, float, float],
     ) -> Joined:
-        """Book a planned prefill on its backend (roofline `compute_s` as predicted; `opens_s`: seconds
-        until its step opens, `waiting`: the prompt tokens waiting there; `_Priced.opens`, `.waiting`): it
-        joins the step of the waiting prompts in the queue's last, partly filled chunk (the most
-        recently planned there, as vLLM admits them in order) if that step has not started, and
-        lengthens it by its own share of it; then it waits for later ones to join its own until that
-        starts (`opens_s` from now; at once on an idle backend).
+        """Book a planned prefill on its backend (roofline `compute_s` as predicted; `queue`: seconds
+        until its step opens, the prompt tokens waiting there (`_Priced.opens`, `.waiting`), the
+        prompt tokens it should still hold): it joins the step of the waiting prompts in the queue's
+        last, partly filled chunk (the most recently planned there, as vLLM admits them in order) if
+        that step has not started, and lengthens it by its own share of it; then it waits for later
+        ones to join its own until that starts (`opens_s` from now; at once on an idle backend).
 
         A step that has started takes no more prompts. Counted as joinable until its prompts' first
         tokens, a running step's prompts were credited with the next step's work as well: their
         queue looked 1.6-1.8x what they waited (B200 + 2x H100 bursts at half the fluid bound), and
         calibration took the excess for slowness (B200 compute 2.48 for a true 1.0;
         docs/policies.md, thirteenth pass)."""
+        opens_s, waiting, cached = queue
         prompt = request.prompt_tokens
-        new = max(prompt - min(int(c.surviving_cached()[row]), prompt - 1), 1)
+        new = max(prompt - min(int(cached), prompt - 1), 1)
         rest = waiting % self.chunk_tokens
         added = compute_s * min(new, self.chunk_tokens - rest) / new
-        booked = self._planned.setdefault(c.specs[row].id, deque(maxlen=_PLANNED_KEPT))
+        backend_id = c.specs[row].id
+        booked = self._planned.get(backend_id)
+        if booked is None:
+            booked = self._planned[backend_id] = deque(maxlen=_PLANNED_KEPT)
+        now = c.now
         for earlier in reversed(booked):  # newest first: once one has started, the older ones have
-            if rest <= 0 or earlier.closes_at <= c.now:
+            if rest <= 0 or earlier.closes_at <= now:
                 break
             earlier.seconds += added
             rest -= earlier.tokens
-        joined = Joined(float(new), closes_at=c.now + opens_s)
+        joined = Joined(float(new), closes_at=now + opens_s)
         booked.append(joined)
         return joined
-
-    def _best_pair(
-        self,
-        request: RequestFeatures,
-        c: Candidates,
-        cl: _Cluster,
-        p: _Priced,
-        split: SplitSettings,
-    ) -> tuple[tuple[int, ...], tuple[int, ...], _Predicted, tuple[bool, float, float]] | None:
-        """The best (prefill, decode) pair with the fallbacks of each leg, or None when no pair is
-        allowed. Vectorised over the pairs of the `shortlist` best of each side (by time and by cost):
-        a pair's time and cost are its legs' sums plus the transfer, so the best pair is almost always
-        among them, and 64 backends price 16 x 16 pairs instead of 4,032. Each side's figures are
-        taken for its rows by one fancy index each ([prefill, 1] and [decode] rows broadcast to the
-        [prefill, decode] matrices), not by `np.ix_` and a temporary per figure."""
-        auto = split.disaggregation is Disaggregation.AUTO
-        turn = self._rotate.turn
-        found, pi, di, feasible, cost, finish, transfer, ttft, prefills, decodes = _split(
-            (c.healthy, c.can_prefill, c.can_decode), c.surviving_cached(), float(request.prompt_tokens),
-            float(split.pd_min_prompt_tokens) if auto else -np.inf, turn, float(max(request.max_tokens, 1)),
-            (p.ttft, p.compute_cost, p.prefill_harm), (p.first_step, p.tpot, p.decode_harm, p.decode_price,
-            p.tpot_seen, p.kv_ok), (cl.links, cl.tpot_factor), (*p.slo, self.cost_tolerance),
-        )  # fmt: skip
-        if found != _NO_ROWS:
-            self._rotate.turn = turn + 2  # `_split` rotated both sides
-        if found != _FOUND:
-            return None
-        pred = (
-            float(p.wait[pi]), float(p.compute[pi]), transfer, ttft, float(p.tpot[di]),
-            float(p.tpot_seen[di]), float(p.roofline_wait[pi]), float(p.roofline_compute[pi]), (pi, di),
-        )  # fmt: skip
-        return tuple(prefills.tolist()), tuple(decodes.tolist()), pred, (not feasible, cost, finish)
 
     # --- calibration -----------------------------------------------------------------------------------
     def observe(self, outcome: Outcome) -> None:
@@ -446,7 +444,7 @@ class CostRanker(SimpleRanker):
         Splits priced right on average were planned to the edge of the TTFT target and half of them
         missed it (B200 + 2x H100: the decode part of a split's TTFT took 0.66x its prediction at the
         median and 3.2x at the 90th percentile in bursts); serving whole does not have those parts.
-        `_best_pair` holds a split to it only where its prefiller could serve the request whole: a
+        `_pairs` holds a split to it only where its prefiller could serve the request whole: a
         prefill-only backend (the Rubin CPX) is used by splits alone, and held to it, its bursts went
         whole to the H100s instead (docs/policies.md, sixteenth pass). A pair never measured has none."""
         old = self._headroom.get(pair, 1.0)
@@ -809,14 +807,17 @@ def _split(
     cluster: tuple[np.ndarray, np.ndarray],
     targets: tuple[float, float, float],
 ) -> tuple[int, int, int, bool, float, float, float, float, np.ndarray, np.ndarray]:
-    """`_best_pair`'s work: (outcome, prefill row, decode row, feasible, cost, finish, transfer, TTFT,
-    the prefill fallbacks, the decode fallbacks). `roles`: healthy, may prefill, may decode; `cached`:
-    the tokens each backend should still hold (`Candidates.surviving_cached`); a decoder must lack at
-    least `min_lacking` of the prompt; `turn`, `turn + 1`: the rotations of the prefill and decode
-    sides (spent unless the outcome is `_NO_ROWS`); `prefill_side`: `_Priced`'s TTFT, compute cost,
-    prefill harm; `decode_side`: first step, TPOT, decode harm, decode price, TPOT as the SLO check
-    sees it, whether the KV fits; `cluster`: `_Cluster.links`, `.tpot_factor`; `targets`: the TTFT
-    and TPOT targets, the cost tolerance."""
+    """The best (prefill, decode) pair with the fallbacks of each leg (`_plan_kernel`'s split): (outcome,
+    prefill row, decode row, feasible, cost, finish, transfer, TTFT, the prefill fallbacks, the decode
+    fallbacks). Over the pairs of the `SHORTLIST` best of each side by time and by cost (`_shortlist`):
+    a pair's time and cost are its legs' sums plus the transfer, so the best pair is almost always
+    among them, and 64 backends price 16 x 16 pairs instead of 4,032. `roles`: healthy, may prefill,
+    may decode; `cached`: the tokens each backend should still hold (`Candidates.surviving_cached`); a
+    decoder must lack at least `min_lacking` of the prompt; `turn`, `turn + 1`: the rotations of the
+    prefill and decode sides (spent unless the outcome is `_NO_ROWS`); `prefill_side`: `_Priced`'s
+    TTFT, compute cost, prefill harm; `decode_side`: first step, TPOT, decode harm, decode price, TPOT
+    as the SLO check sees it, whether the KV fits; `cluster`: `_Cluster.links`, `.tpot_factor`;
+    `targets`: the TTFT and TPOT targets, the cost tolerance."""
     healthy, can_prefill, can_decode = roles
     ttft_p, cost_p, harm_p = prefill_side
     first_d, tpot_d, harm_d, price_d, seen_d, kv_ok_d = decode_side
@@ -859,6 +860,48 @@ def _ranked(
     return _order(rows, cost[rows], finish[rows], ok[rows], tolerance)
 
 
+# `Disaggregation` as `_plan_kernel` takes it
+_SPLIT_CODES = {Disaggregation.NEVER: 0, Disaggregation.AUTO: 1, Disaggregation.ALWAYS: 2}
+_Split = tuple[int, int, int, bool, float, float, float, float, np.ndarray, np.ndarray]  # `_split`'s
+
+
+@kernel
+def _plan_kernel(
+    price: _PriceArgs,
+    roles: tuple[np.ndarray, np.ndarray, np.ndarray],
+    links: np.ndarray,
+    split: tuple[int, float, int, float],
+) -> tuple[np.ndarray, np.ndarray, bool, _Split]:
+    """`CostRanker.choose`'s work in one call (each call from Python costs microseconds of argument
+    checks, and the decision is on the request path): `_price_rows` (`price`: its arguments), the
+    aggregated plans best-first (`_ranked`; none: no backend is healthy), whether a healthy backend
+    has both roles, and the best split (`_split`; `_NO_ROWS` under `never`). `roles`: healthy, may
+    prefill, may decode; `links`: `_Cluster.links`; `split`: the mode (`_SPLIT_CODES`), the tokens a
+    decoder must lack, the rotation's turn, the cost tolerance."""
+    rows = _price_rows(price[0], price[1], price[2], price[3], price[4])
+    request, tpot_factor, cached = price[1], price[2][1], price[3][0]
+    healthy, can_prefill, can_decode = roles
+    mode, min_lacking, turn, tolerance = split
+    # Aggregated serving runs on any backend that may decode (a decode-only vLLM serves a request
+    # without KV parameters whole, as the other policies and the fluid bound assume); the delay its
+    # prefill imposes on the decodes running there is in the price.
+    serving = healthy & can_decode
+    if not serving.any():
+        serving = healthy
+    ranked = _ranked(serving, turn, rows[acost_], rows[afin_], rows[aok_] > 0, tolerance)
+    both = bool((healthy & can_prefill & can_decode).any())
+    none = np.zeros(0, dtype=np.int64)
+    if mode == 0 or ranked.size == 0:
+        return rows, ranked, both, (_NO_ROWS, -1, -1, False, 0.0, 0.0, 0.0, 0.0, none, none)
+    prompt, out, _, slo_ttft, slo_tpot = request
+    pair = _split(
+        roles, cached, prompt, min_lacking, turn + 1, out, (rows[ttft_], rows[ccost_], rows[pharm_]),
+        (rows[first_], rows[tpot_], rows[dharm_], rows[dprice_], rows[tseen_], rows[kv_ok_] > 0),
+        (links, tpot_factor), (slo_ttft, slo_tpot, tolerance),
+    )  # fmt: skip
+    return rows, ranked, both, pair
+
+
 @kernel
 def _pairs(
     prefill_rows: np.ndarray,
@@ -871,7 +914,7 @@ def _pairs(
     slo_tpot: float,
     tolerance: float,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """`_best_pair`'s [prefill, decode] matrices (transfer, TTFT, finish, cost, feasible) over the
+    """`_split`'s [prefill, decode] matrices (transfer, TTFT, finish, cost, feasible) over the
     given rows, and the position of the first plan `_order` would give (-1, -1: every pair is one
     backend with itself). Per side, the `_Priced` figures it takes (prefill: TTFT, compute cost, harm,
     whether it may decode; decode: first step, TPOT correction, decode time, harm, price, TPOT as the
