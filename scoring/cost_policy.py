@@ -982,7 +982,7 @@ def compile_kernels() -> None:
     split mode, and the load formula as the registry calls it. The gateway runs this before it
     serves; `tests/unit/test_jit.py` checks that routing through the registry and the simulator then
     compiles nothing more."""
-    from scoring.load import load_columns  # the registry's call, with the step in progress
+    from scoring.load import load_columns, request_load  # the registry's calls
 
     roles = frozenset((Role.PREFILL, Role.DECODE))
     specs = (BackendSpec("a", "m", "mi300x", 8, roles), BackendSpec("b", "m", "mi308x", 8, roles))
@@ -995,3 +995,4 @@ def compile_kernels() -> None:
     Rotation()(np.arange(2))  # the other policies' rotation
     columns = np.ones((12, 2))
     load_columns(*columns[:7], seen=columns[7:11], head=np.ones((5, 2)), now=1.0)
+    request_load(*columns[:3], in_flight_seen=columns[3])  # for routers that read no work columns

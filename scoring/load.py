@@ -290,8 +290,27 @@ def request_load(
 ) -> np.ndarray:
     """Requests in flight or queued, counted once: the count-based policies' load. `in_flight_seen`: the
     gateway's own count when vLLM's were reported (None: now)."""
+    f = np.float64
     seen = in_flight if in_flight_seen is None else in_flight_seen
-    return np.asarray(in_flight + np.maximum(running + waiting - seen, 0.0))
+    arrays = [np.asarray(x, dtype=f) for x in (in_flight, running, waiting, seen)]
+    return _request_load_row(*arrays)
+
+
+@kernel
+def _requests_counted(in_flight: float, running: float, waiting: float, seen: float) -> float:
+    """One backend's `request_load`: its legs in flight, and vLLM's running and waiting requests beyond
+    the gateway's own count when they were reported (other clients')."""
+    return in_flight + max(running + waiting - seen, 0.0)
+
+
+@kernel
+def _request_load_row(
+    in_flight: np.ndarray, running: np.ndarray, waiting: np.ndarray, seen: np.ndarray
+) -> np.ndarray:
+    load = np.empty(in_flight.size)
+    for i in range(in_flight.size):
+        load[i] = _requests_counted(in_flight[i], running[i], waiting[i], seen[i])
+    return load
 
 
 def load_columns(
@@ -322,12 +341,10 @@ def load_columns(
     step = head is not None
     rows = _load_rows(own, np.asarray(seen, dtype=f), np.asarray(head if step else seen, dtype=f), step,
                       float(now), float(DEFAULT_CHUNK_TOKENS))  # fmt: skip
-    columns = dict(zip(LOAD_COLUMNS, rows, strict=True))
-    columns["load"] = request_load(own[0], own[1], own[2], in_flight_seen=seen[0])
-    return columns
+    return dict(zip(LOAD_COLUMNS, rows, strict=True))
 
 
-# `load_columns`' keys, in the order of `_load_rows`' rows (`load` is `request_load`'s).
+# `load_columns`' keys, in the order of `_load_rows`' rows.
 LOAD_COLUMNS = ("load", "prefill_tokens", "prefill_len", "decode_seqs", "context_tokens",
                 "context_when_reported", "step_tokens", "step_elapsed", "step_behind")  # fmt: skip
 
@@ -341,10 +358,10 @@ def _load_rows(
     now: float,
     chunk: float,
 ) -> np.ndarray:
-    """`load_columns`' rows (`LOAD_COLUMNS`, but `load`, left 0 for `request_load`), backend by
+    """`load_columns`' rows (`LOAD_COLUMNS`; `load` as `request_load` counts it), backend by
     backend, from its seven own columns (in flight, running, waiting, prefill tokens, prefill
     sequences, decode sequences, context tokens); `head` is read only if `step_known`."""
-    running, waiting, prefill_tokens, prefill_seqs, decode_seqs, context_tokens = own[1:]
+    in_flight, running, waiting, prefill_tokens, prefill_seqs, decode_seqs, context_tokens = own
     n = running.size
     rows = np.zeros((len(LOAD_COLUMNS), n))
     done = head_progress(head[:3], now, chunk) if step_known else np.zeros(n)
@@ -352,6 +369,7 @@ def _load_rows(
         # vLLM's counts beyond the gateway's own at the time of the report: other clients' requests.
         # Waiting prompts beyond the gateway's own still to prefill; running sequences beyond its
         # decoding ones.
+        rows[0, i] = _requests_counted(in_flight[i], running[i], waiting[i], seen[0, i])
         other_waiting = max(waiting[i] - seen[1, i], 0.0)
         other_running = max(running[i] - seen[2, i], 0.0)
         # Context per sequence from the gateway's own sequences; vLLM's extra ones are taken to be alike.
