@@ -6,7 +6,8 @@ and MI308X, DeepSeek-R1, every backend may prefill and decode), with backend i h
 - `lookup`: the awaited `index.match` over all backends (as `gateway/affinity.py` calls it);
 - `candidates`: `ModelPool.candidates` (the registry's columns through the load formula; a quarter of
   the backends have a split decode leg due);
-- `plan`: the policy's `plan` (`cost` prices every aggregated and split plan: 64 backends, 4,032 pairs);
+- `plan`: the policy's `plan` (`cost` prices 64 aggregated plans and the splits among each side's
+  shortlist, `scoring/cost_policy.py` `_split`);
 - `decision`: the three together, what the gateway adds per request after hashing the prompt (hashing
   is measured by `hetgate bench index`).
 Each figure: p50 and p99 over `--calls` decisions, in microseconds, the median of `--rounds` rounds
