@@ -766,3 +766,39 @@ def test_a_split_meets_the_ttft_target_only_with_its_pairs_headroom(deepseek):
     # A prefill-only MI300X cannot serve it whole: the split is the only way to use it, and keeps it.
     plan = router.plan(request, cluster(roles=(P, BOTH)))
     assert (plan.mode, plan.reason) == (Mode.PD, "split")
+
+
+@pytest.mark.parametrize("mode", ["never", "auto", "always"])
+def test_no_healthy_backend_gives_an_empty_plan_and_spends_no_turn(deepseek, mode):
+    """`_plan_kernel` finds no backend to serve on: no plan, and the rotation is where it was (ties
+    among equal backends are shared by turns actually used)."""
+    router = build_router("cost", mode, model=deepseek)
+    c = cluster()
+    c.healthy = np.array([False, False])
+    plan = router.plan(long_prompt(), c)
+    assert (plan.aggregated, plan.prefill, plan.decode, plan.predicted) == ((), (), (), None)
+    assert plan.reason == "no_healthy_backend"
+    assert router.ranker._rotate.turn == 0
+
+
+def test_a_decode_only_pool_serves_whole_on_its_decoders(deepseek):
+    """Aggregated plans run on any backend that may decode; with no prefiller healthy, no split."""
+    c = cluster(roles=(P, D))
+    c.healthy = np.array([False, True])
+    plan = build_router("cost", "auto", model=deepseek).plan(long_prompt(), c)
+    assert plan.mode is Mode.AGGREGATED
+    assert plan.aggregated == (1,)
+    assert plan.reason == "no_split"
+    assert plan.predicted is not None and plan.predicted.rows == (1,)
+
+
+def test_a_split_spends_three_turns_and_serving_whole_one(deepseek):
+    """The aggregated order takes turn t; a split's prefill and decode sides t + 1 and t + 2 (so equal
+    backends share each role in turn), unless no split could be formed."""
+    never = build_router("cost", "never", model=deepseek)
+    never.plan(long_prompt(), cluster())
+    assert never.ranker._rotate.turn == 1
+    always = build_router("cost", "always", model=deepseek)
+    plan = always.plan(long_prompt(), cluster())
+    assert plan.mode is Mode.PD
+    assert always.ranker._rotate.turn == 3
