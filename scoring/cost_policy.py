@@ -326,8 +326,7 @@ class CostRanker(SimpleRanker):
         aggregated = tuple(ranked.tolist())
         best = aggregated[0]
         agg = rows[:, best].tolist()
-        agg_pred = (agg[wait_], agg[compute_], 0.0, agg[ttft_], agg[tpot_], agg[tseen_], agg[rwait_],
-                    agg[rcomp_], (best,))  # fmt: skip
+        agg_pred = _predicted(agg, agg, 0.0, agg[ttft_], (best,))
         surviving = args[3][0]
         if found != _FOUND:
             reason = "never" if mode is Disaggregation.NEVER else "no_split"
@@ -339,9 +338,7 @@ class CostRanker(SimpleRanker):
             if not _pair_wins((not feasible, cost, finish), agg_rank, self.cost_tolerance):
                 plan = (Mode.AGGREGATED, aggregated, (), (), "split_costlier")
                 return self._route(request, c, plan, agg_pred, rows, surviving)
-        pre, dec = rows[:, pi].tolist(), rows[:, di].tolist()
-        pair_pred = (pre[wait_], pre[compute_], transfer, ttft, dec[tpot_], dec[tseen_], pre[rwait_],
-                     pre[rcomp_], (pi, di))  # fmt: skip
+        pair_pred = _predicted(rows[:, pi].tolist(), rows[:, di].tolist(), transfer, ttft, (pi, di))
         plan = (Mode.PD, aggregated, tuple(prefills.tolist()), tuple(decodes.tolist()), "split")
         return self._route(request, c, plan, pair_pred, rows, surviving)
 
@@ -957,6 +954,15 @@ def _pairs(
     if at < 0:
         return transfer, ttft, finish, cost, ok, -1, -1
     return transfer, ttft, finish, cost, ok, at // shape[1], at % shape[1]
+
+
+def _predicted(
+    prefill: list[float], decode: list[float], transfer_s: float, ttft_s: float, rows: tuple[int, ...]
+) -> _Predicted:
+    """A plan's `Prediction` fields (less `joined`) from `_price_rows`' columns of its prefill and decode
+    backends (the same column for a plan served whole), its transfer and its TTFT."""
+    return (prefill[wait_], prefill[compute_], transfer_s, ttft_s, decode[tpot_], decode[tseen_],
+            prefill[rwait_], prefill[rcomp_], rows)  # fmt: skip
 
 
 def _pair_wins(pair: tuple[bool, float, float], agg: tuple[bool, float, float], tolerance: float) -> bool:
