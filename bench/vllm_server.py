@@ -165,8 +165,10 @@ NIXL_ENV = (
     ("UCX_TLS", "tcp"),
     ("UCX_NET_DEVICES", "lo"),
 )
-# One UCX worker thread per server instead of vLLM's default 4: two servers share two cores.
-NIXL_EXTRA_CONFIG = {"num_threads": 1}
+# One UCX worker thread per server instead of vLLM's default 4: two servers share two cores. The
+# prefiller keeps a finished request's KV for its decoder `kv_lease_duration` seconds (vLLM's default
+# 30); a starved CI host once took 30 s to send the decode leg (docs/e2e.md), so the lease is longer.
+NIXL_EXTRA_CONFIG = {"num_threads": 1, "kv_lease_duration": 120}
 # No torch.compile warm-up: the NIXL servers' KV layout (LBHNC) is a configuration of its own, and
 # compiling it cold took minutes on two busy cores; eager steps of the tiny model take milliseconds.
 NIXL_ARGS = ("--enforce-eager",)

@@ -85,11 +85,14 @@ def gateway_config(
         "models": [{"name": "tiny", "tokenizer": str(tokenizer) if tokenizer else None}],
         "backends": backends,
         "routing": {"policy": "round_robin", "disaggregation": "never", **routing},
-        # Fast detection so the failover test does not wait long; probes are cheap on loopback.
-        "health": {"interval_s": 0.5, "timeout_s": 2.0, "failure_threshold": 1},
-        # connect_s: the gateway's log of a failed CI run named the NIXL decode leg's failure as
-        # `connect (ConnectionTimeoutError)` at 2 s, with two busy-polling vLLM engines on the 2 cores.
-        "timeouts": {"connect_s": 10.0, "ttfb_s": 120.0, "idle_s": 60.0},
+        # Every timer here is wall time, and on a shared 2-core CI host the gateway can go unscheduled
+        # for tens of seconds (docs/e2e.md, "A starved gateway"): a CI run failed the NIXL decode leg as
+        # `connect (ConnectionTimeoutError)` at 2 s, and again at 10 s, its probes down with it, while
+        # the decoder itself answered. No test here needs a probe to notice a death quickly (the
+        # failover test turns probing off), so probes and connects wait as long as a first byte may.
+        "health": {"interval_s": 1.0, "timeout_s": 60.0, "failure_threshold": 2},
+        "timeouts": {"connect_s": 60.0, "ttfb_s": 120.0, "idle_s": 60.0},
+        "server": {"header_timeout_s": 60.0, "body_timeout_s": 120.0},
     }
 
 

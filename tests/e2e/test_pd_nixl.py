@@ -87,7 +87,7 @@ def test_nixl_pd_through_hetgate_pulls_the_kv_instead_of_recomputing(
 
     response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=300)
 
-    assert response.status_code == 200, response.text
+    assert response.status_code == 200, (response.text, gateway.log())
     route = route_fields(response.headers[ROUTE_HEADER])
     assert route == {"mode": "pd", "prefill": prefill.spec.name, "decode": decode.spec.name}
     pulled_after, computed_after, failed_after = decode_counters(decode)
@@ -123,7 +123,7 @@ def test_nixl_pd_streamed_chat_matches_aggregated_greedy_output(
         json={**body, "stream": True, "stream_options": {"include_usage": True}},
         timeout=300,
     ) as response:
-        assert response.status_code == 200, response.read()
+        assert response.status_code == 200, (response.read(), gateway.log())
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
 
     assert lines[-1] == "data: [DONE]"
