@@ -29,7 +29,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from bench.harness import GatewayProcess, free_port
+from bench.harness import GatewayProcess
+from bench.ports import free_port
 from bench.seed_case import FITTED
 from bench.sim.server import SimProcess
 from bench.workloads import fixed_lengths

@@ -23,7 +23,8 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
-from bench.harness import _cpu_seconds, free_port
+from bench.harness import _cpu_seconds
+from bench.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = REPO / "deploy" / "envoy"

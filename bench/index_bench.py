@@ -21,7 +21,6 @@ import gc
 import hashlib
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import time
@@ -37,6 +36,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from bench.ports import free_port
 from kvindex.hashing import BlockHashes, pack_token_ids
 from kvindex.memory import MemoryIndex
 from kvindex.prompt import PromptHasher
@@ -202,18 +202,12 @@ def memory_store_bytes_per_million(blocks: int) -> float:
 # --- redis ----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def redis_server() -> Iterator[int]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed (apt-get install -y redis-server), or use --no-redis")
-    port = _free_port()
+    port = free_port()
     command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

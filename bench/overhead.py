@@ -33,7 +33,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench.harness import GatewayProcess, _children, _cpu_seconds, free_port
+from bench.harness import GatewayProcess, _children, _cpu_seconds
+from bench.ports import free_port
 from bench.sim.server import SimProcess
 
 MODEL = "bench-model"

@@ -35,7 +35,7 @@ import aiohttp
 import numpy as np
 
 from bench.clusters import Cluster
-from bench.harness import GatewayProcess, free_port
+from bench.harness import GatewayProcess
 from bench.policies import (
     Outcome,
     Plan,
@@ -48,6 +48,7 @@ from bench.policies import (
     row_from,
     scenario_bound,
 )
+from bench.ports import free_port
 from bench.sim.server import SimProcess
 from bench.workloads import WorkloadRequest
 

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from bench.harness import free_port
+from bench.ports import free_port
 
 Pod = dict[str, Any]
 

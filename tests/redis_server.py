@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -18,11 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from bench.ports import free_port
 
 
 def redis_binary() -> str:
@@ -41,7 +36,7 @@ class RedisServer:
 
     def __init__(self, binary: str) -> None:
         self.binary = binary
-        self.port = _free_port()
+        self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -70,7 +65,7 @@ class RedisServer:
             if self._wait_ready():
                 return
             self.stop()
-            self.port = _free_port()  # lost the port to someone else: try another
+            self.port = free_port()  # lost the port to someone else: try another
         raise RuntimeError("redis-server did not start")
 
     def _wait_ready(self, timeout_s: float = 10.0) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.ports import free_port
 from bench.sim.kv_events import KVEventsConfig
 from bench.sim.server import SimServerConfig, start_in_thread
 
@@ -34,12 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the suite's helper m
 from conformance_helpers import ConformanceTarget
 
 TARGET_ENV = "HETGATE_CONFORMANCE_TARGET"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _target_from_env() -> ConformanceTarget | None:
@@ -53,8 +47,8 @@ def conformance_target() -> Iterator[ConformanceTarget]:
     if external is not None:
         yield external
         return
-    events_endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    replay_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    events_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
     kv_events = KVEventsConfig(
         enable_kv_cache_events=True,
         endpoint=events_endpoint,

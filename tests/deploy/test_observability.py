@@ -17,7 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from bench.harness import GatewayProcess, free_port
+from bench.harness import GatewayProcess
+from bench.ports import free_port
 from bench.sim.server import SimServerConfig, SimThread, start_in_thread
 from bench.sim.simple_engine import SimpleEngineConfig
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from bench.harness import free_port
+from bench.ports import free_port
 from bench.sim.simple_engine import SimpleEngineConfig
 from tests.faults.raw_backend import RawBackend, chat_completion, json_reply
 from tests.integration.conftest import MODEL, backend, chat_body, config, metric, route_parts

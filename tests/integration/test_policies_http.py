@@ -13,8 +13,8 @@ import pytest
 
 from bench import policies as pb
 from bench import workloads as w
-from bench.harness import free_port
 from bench.policies_http import agreement, parse_targets, run_http
+from bench.ports import free_port
 
 TOLERANCE = 0.10  # the agreement the benchmark promises between its two modes
 

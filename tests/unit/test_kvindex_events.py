@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -14,6 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from bench.ports import free_port
 from kvindex.events import KVEventSubscriber, connect_address, sub_binds
 from kvindex.memory import MemoryIndex
 from kvindex.prompt import PromptHasher
@@ -23,12 +23,6 @@ BS = 16
 TOPIC = "kv-events"
 IDS = list(range(100, 164))  # 4 blocks of 16 token ids
 ENGINE = [9_000_000_000_000_000_001 + i for i in range(8)]  # vLLM's (opaque) u64 block hashes
-
-
-def _free_tcp() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 
 def stored_map(hashes, parent, token_ids, **extra) -> dict:
@@ -138,7 +132,7 @@ async def _started(rig: Rig, endpoint: str, replay: str | None = None) -> KVEven
 @pytest.mark.parametrize("shape", ["map", "array"])
 async def test_store_continue_remove_clear(rig: Rig, shape: str) -> None:
     stored = stored_map if shape == "map" else stored_array
-    endpoint = _free_tcp()  # concrete host: vLLM connects, we bind
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # concrete host: vLLM connects, we bind
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -169,7 +163,7 @@ async def test_wildcard_endpoint_means_we_connect(rig: Rig) -> None:
 
 
 async def test_gap_is_filled_by_replay(rig: Rig) -> None:
-    endpoint, replay = _free_tcp(), f"ipc://{rig.tmp_path}/replay.sock"
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"ipc://{rig.tmp_path}/replay.sock"
     router = rig.ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(replay)
@@ -192,7 +186,7 @@ async def test_gap_is_filled_by_replay(rig: Rig) -> None:
 
 
 async def test_gap_without_replay_keeps_going(rig: Rig) -> None:
-    endpoint = _free_tcp()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -203,7 +197,7 @@ async def test_gap_without_replay_keeps_going(rig: Rig) -> None:
 
 
 async def test_engine_restart_drops_what_it_held(rig: Rig) -> None:
-    endpoint = _free_tcp()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -223,7 +217,7 @@ async def test_engine_restart_drops_what_it_held(rig: Rig) -> None:
 
 
 async def test_salted_lora_and_unknown_parent_blocks(rig: Rig) -> None:
-    endpoint = _free_tcp()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -239,7 +233,7 @@ async def test_salted_lora_and_unknown_parent_blocks(rig: Rig) -> None:
 
 
 async def test_garbage_frames_do_not_stop_the_stream(rig: Rig) -> None:
-    endpoint = _free_tcp()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -253,7 +247,7 @@ async def test_garbage_frames_do_not_stop_the_stream(rig: Rig) -> None:
 
 
 async def test_stop_with_forget_drops_the_backend(rig: Rig) -> None:
-    endpoint = _free_tcp()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -288,7 +282,7 @@ async def test_against_the_simulators_publisher(rig: Rig) -> None:
     the gap detection and the replay socket."""
     from bench.sim.kv_events import KVEventsConfig, ZmqKVEventPublisher
 
-    endpoint, replay = _free_tcp(), f"ipc://{rig.tmp_path}/sim-replay.sock"
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"ipc://{rig.tmp_path}/sim-replay.sock"
     sub = await _started(rig, endpoint, replay)
     config = KVEventsConfig(
         enable_kv_cache_events=True, endpoint=endpoint, replay_endpoint=replay, topic=TOPIC
