@@ -49,6 +49,7 @@ STOP_GRACE_S = 15.0
 LOG_TAIL_LINES = 50
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SETUP_HINT = "scripts/setup_vllm_env.sh"
+START_MARK = "\n=== start "  # opens each start's part of a server's log
 
 
 class ServerStartError(RuntimeError):
@@ -259,7 +260,7 @@ class VllmServer:
         self.port = self.port or free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            log.write(f"\n=== start {time.strftime('%H:%M:%S')}: {' '.join(self.command())}\n".encode())
+            log.write(f"{START_MARK}{time.strftime('%H:%M:%S')}: {' '.join(self.command())}\n".encode())
             log.flush()
             self.process = subprocess.Popen(
                 self.command(),
@@ -299,12 +300,24 @@ class VllmServer:
 
     def port_was_taken(self) -> bool:
         """Our free port was grabbed by someone else between the probe and vLLM's bind."""
-        return "address already in use" in log_tail(self.log_path).lower()
+        return bind_failed(self.log_path)
 
     def restart(self, timeout_s: float = STARTUP_TIMEOUT_S) -> VllmServer:
         """Start again on the same port with the same spec (kv-events endpoints stay valid)."""
         self.stop()
         return self.start().wait_healthy(timeout_s)
+
+
+def bind_failed(log_path: Path) -> bool:
+    """The server's log says a bind failed. vLLM exits when its API port is taken, but a NIXL decoder
+    whose side-channel listener thread cannot bind waits for that thread forever: without this check
+    the start hung until its timeout (10 min per try in a CI run of stop 34, docs/e2e.md)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except FileNotFoundError:
+        return False
+    this_start = text[max(text.rfind(START_MARK), 0) :]  # the log is appended to across restarts
+    return "address already in use" in this_start.lower()
 
 
 def wait_for_health(
@@ -316,6 +329,8 @@ def wait_for_health(
             if process is None or process.poll() is not None:
                 code = None if process is None else process.returncode
                 raise ServerStartError(f"{name} exited with {code}; log {log_path}:\n{log_tail(log_path)}")
+            if bind_failed(log_path):
+                raise ServerStartError(f"{name} could not bind a port; log {log_path}:\n{log_tail(log_path)}")
             with contextlib.suppress(httpx.TransportError):
                 if client.get(health_url).status_code == 200:
                     return
