@@ -172,11 +172,7 @@ NIXL_ARGS = ("--enforce-eager",)
 def nixl_spec(name: str, role: str, core: str) -> ServerSpec:
     """A NixlConnector server (`role`: kv_producer, kv_consumer) whose worker is pinned to `core`: the
     e2e NIXL tests and `hetgate bench interference` start the same pair."""
-    env = (
-        ("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
-        ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port())),
-        *NIXL_ENV,
-    )
+    env = (("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"), *NIXL_ENV)  # the port: `VllmServer.start`
     transfer = KvTransfer(
         role, connector="NixlConnector", buffer_device="cpu", extra_config=tuple(NIXL_EXTRA_CONFIG.items())
     )
@@ -190,6 +186,7 @@ class VllmServer:
     log_dir: Path
     venv: Path = field(default_factory=default_venv)
     port: int = 0
+    side_channel_port: int = 0  # a NIXL server's handshake listener, picked anew at each start
     process: subprocess.Popen | None = None
     started_at: float = 0.0
     startup_s: float = 0.0
@@ -248,6 +245,8 @@ class VllmServer:
             }
         )
         env.update(dict(self.spec.extra_env))
+        if self.side_channel_port:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
         return env
 
     def start(self) -> VllmServer:
@@ -258,6 +257,11 @@ class VllmServer:
         if not python.exists():
             raise ServerStartError(f"no vLLM venv at {self.venv}: run {SETUP_HINT}")
         self.port = self.port or free_port()
+        # Each start takes a new side-channel port: a start that failed to bind it would fail again on
+        # it. Decoders learn a prefiller's port from its `kv_transfer_params`, so it may change.
+        transfer = self.spec.kv_transfer
+        if transfer is not None and transfer.connector == "NixlConnector":
+            self.side_channel_port = free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             log.write(f"{START_MARK}{time.strftime('%H:%M:%S')}: {' '.join(self.command())}\n".encode())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.ports import free_port
-from bench.vllm_server import START_MARK, ServerStartError, wait_for_health
+from bench.vllm_server import START_MARK, ServerStartError, VllmServer, nixl_spec, wait_for_health
 
 
 def _child(log_path: Path, script: str) -> subprocess.Popen[bytes]:
@@ -48,3 +48,17 @@ def test_a_bind_failure_of_an_earlier_start_does_not_fail_the_next(tmp_path):
     finally:
         second.kill()
         second.wait()
+
+
+def test_each_start_of_a_nixl_server_takes_a_new_side_channel_port(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)  # exits at once: no vllm module here
+    server = VllmServer(nixl_spec("decoder", "kv_consumer", "0"), tmp_path, tmp_path / "logs", venv=venv)
+    ports = []
+    for _ in range(2):
+        server.start()
+        ports.append(server.side_channel_port)
+        assert server.environment()["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(server.side_channel_port)
+        server.stop()
+    assert ports[0] != ports[1] and 0 not in ports
