@@ -25,6 +25,10 @@ IDS = list(range(100, 164))  # 4 blocks of 16 token ids
 ENGINE = [9_000_000_000_000_000_001 + i for i in range(8)]  # vLLM's (opaque) u64 block hashes
 
 
+def _tcp_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
 def stored_map(hashes, parent, token_ids, **extra) -> dict:
     return {
         "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
@@ -132,7 +136,7 @@ async def _started(rig: Rig, endpoint: str, replay: str | None = None) -> KVEven
 @pytest.mark.parametrize("shape", ["map", "array"])
 async def test_store_continue_remove_clear(rig: Rig, shape: str) -> None:
     stored = stored_map if shape == "map" else stored_array
-    endpoint = f"tcp://127.0.0.1:{free_port()}"  # concrete host: vLLM connects, we bind
+    endpoint = _tcp_endpoint()  # concrete host: vLLM connects, we bind
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -163,7 +167,7 @@ async def test_wildcard_endpoint_means_we_connect(rig: Rig) -> None:
 
 
 async def test_gap_is_filled_by_replay(rig: Rig) -> None:
-    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"ipc://{rig.tmp_path}/replay.sock"
+    endpoint, replay = _tcp_endpoint(), f"ipc://{rig.tmp_path}/replay.sock"
     router = rig.ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(replay)
@@ -186,7 +190,7 @@ async def test_gap_is_filled_by_replay(rig: Rig) -> None:
 
 
 async def test_gap_without_replay_keeps_going(rig: Rig) -> None:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = _tcp_endpoint()
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -197,7 +201,7 @@ async def test_gap_without_replay_keeps_going(rig: Rig) -> None:
 
 
 async def test_engine_restart_drops_what_it_held(rig: Rig) -> None:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = _tcp_endpoint()
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -217,7 +221,7 @@ async def test_engine_restart_drops_what_it_held(rig: Rig) -> None:
 
 
 async def test_salted_lora_and_unknown_parent_blocks(rig: Rig) -> None:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = _tcp_endpoint()
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -233,7 +237,7 @@ async def test_salted_lora_and_unknown_parent_blocks(rig: Rig) -> None:
 
 
 async def test_garbage_frames_do_not_stop_the_stream(rig: Rig) -> None:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = _tcp_endpoint()
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -247,7 +251,7 @@ async def test_garbage_frames_do_not_stop_the_stream(rig: Rig) -> None:
 
 
 async def test_stop_with_forget_drops_the_backend(rig: Rig) -> None:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = _tcp_endpoint()
     sub = await _started(rig, endpoint)
     pub = rig.publisher(endpoint, bind=False)
     await pub.subscribed()
@@ -282,7 +286,7 @@ async def test_against_the_simulators_publisher(rig: Rig) -> None:
     the gap detection and the replay socket."""
     from bench.sim.kv_events import KVEventsConfig, ZmqKVEventPublisher
 
-    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"ipc://{rig.tmp_path}/sim-replay.sock"
+    endpoint, replay = _tcp_endpoint(), f"ipc://{rig.tmp_path}/sim-replay.sock"
     sub = await _started(rig, endpoint, replay)
     config = KVEventsConfig(
         enable_kv_cache_events=True, endpoint=endpoint, replay_endpoint=replay, topic=TOPIC
