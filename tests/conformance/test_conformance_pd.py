@@ -36,9 +36,33 @@ def prefiller(conformance_target: ConformanceTarget) -> Iterator[httpx.Client]:
         yield http
 
 
+Undecoded = list[tuple[str, dict[str, Any]]]  # (path, the decode leg's request) of prefills not decoded
+
+
+@pytest.fixture
+def undecoded(conformance_target: ConformanceTarget) -> Iterator[Undecoded]:
+    """Prefills a check makes without decoding them, decoded at its end (one token) where the target has a
+    decoder. Until a decoder pulls its KV, a real NIXL prefiller holds the request's blocks for the whole
+    lease (120 s in the e2e servers), and its engine steps without pause all the while (docs/e2e.md): on
+    two cores that starved the decoder of the next check (a `/metrics` read timed out after 60 s)."""
+    legs: Undecoded = []
+    yield legs
+    if conformance_target.decode_url is None or not legs:
+        return
+    with httpx.Client(base_url=conformance_target.decode_url, timeout=300) as decoder:
+        for path, request in legs:
+            response = decoder.post(path, json=request)
+            assert response.status_code == 200, f"releasing a prefill's KV failed: {response.text}"
+
+
 def prefill(
-    prefiller: httpx.Client, target: ConformanceTarget, request_id: str, **fields: Any
+    prefiller: httpx.Client,
+    target: ConformanceTarget,
+    request_id: str,
+    undecoded: Undecoded | None = None,
+    **fields: Any,
 ) -> dict[str, Any]:
+    """One prefill leg; `undecoded`: where to note it when the check does not decode it itself."""
     request = {
         "model": target.model,
         "max_tokens": 1,
@@ -49,14 +73,18 @@ def prefill(
     path = "/v1/chat/completions" if "messages" in fields else "/v1/completions"
     response = prefiller.post(path, json=request, headers={"X-Request-Id": request_id})
     assert response.status_code == 200, response.text
-    return response.json()
+    body: dict[str, Any] = response.json()
+    if undecoded is not None:
+        params = body.get("kv_transfer_params")
+        undecoded.append((path, {**request, "max_tokens": 1, "kv_transfer_params": params}))
+    return body
 
 
 def test_prefill_response_carries_nixl_pull_params(
-    prefiller: httpx.Client, conformance_target: ConformanceTarget
+    prefiller: httpx.Client, conformance_target: ConformanceTarget, undecoded: Undecoded
 ) -> None:
     prompt = token_prompt(prefiller, conformance_target, 4 * conformance_target.block_size, seed="pd")
-    response = prefill(prefiller, conformance_target, "conf-pd-1", prompt=prompt)
+    response = prefill(prefiller, conformance_target, "conf-pd-1", undecoded, prompt=prompt)
     params = response["kv_transfer_params"]
     assert set(params) >= OBSERVED_KEYS
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
@@ -72,10 +100,10 @@ def test_prefill_response_carries_nixl_pull_params(
 
 
 def test_chat_prefill_also_returns_params(
-    prefiller: httpx.Client, conformance_target: ConformanceTarget
+    prefiller: httpx.Client, conformance_target: ConformanceTarget, undecoded: Undecoded
 ) -> None:
     messages = [{"role": "user", "content": words(40, seed="pdchat")}]
-    response = prefill(prefiller, conformance_target, "conf-pd-chat", messages=messages)
+    response = prefill(prefiller, conformance_target, "conf-pd-chat", undecoded, messages=messages)
     assert response["kv_transfer_params"]["do_remote_prefill"] is True
 
 
