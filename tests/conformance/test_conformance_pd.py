@@ -41,10 +41,11 @@ Undecoded = list[tuple[str, dict[str, Any]]]  # (path, the decode leg's request)
 
 @pytest.fixture
 def undecoded(conformance_target: ConformanceTarget) -> Iterator[Undecoded]:
-    """Prefills a check makes without decoding them, decoded at its end (one token) where the target has a
-    decoder. Until a decoder pulls its KV, a real NIXL prefiller holds the request's blocks for the whole
-    lease (120 s in the e2e servers), and its engine steps without pause all the while (docs/e2e.md): on
-    two cores that starved the decoder of the next check (a `/metrics` read timed out after 60 s)."""
+    """Prefills a check makes without decoding them, decoded at its end (one token, as prefilled) where
+    the target has a decoder. Until a decoder pulls its KV, a real NIXL prefiller holds the request's
+    blocks for the whole lease (120 s in the e2e servers), and its engine steps without pause all the
+    while (docs/e2e.md): on two cores that likely starved the decoder of the next check (a `/metrics`
+    read timed out after 60 s)."""
     legs: Undecoded = []
     yield legs
     if conformance_target.decode_url is None or not legs:
@@ -75,8 +76,7 @@ def prefill(
     assert response.status_code == 200, response.text
     body: dict[str, Any] = response.json()
     if undecoded is not None:
-        params = body.get("kv_transfer_params")
-        undecoded.append((path, {**request, "max_tokens": 1, "kv_transfer_params": params}))
+        undecoded.append((path, {**request, "kv_transfer_params": body.get("kv_transfer_params")}))
     return body
 
 
