@@ -16,7 +16,9 @@ decode step on its decode backend, where under `never` an idle backend's first s
 step's weights read: see `choose`), each backend's seconds weighted by its compute (its dense FLOP/s
 over the cluster's largest), so the plan that uses the least of the cluster's compute wins, and a
 compute-rich backend is not spent on work a compute-poor one does as well (decode on a bandwidth-rich,
-compute-poor backend is cheap; prefill costs about the same FLOPs anywhere), plus the **delay it imposes
+compute-poor backend is cheap; prefill costs about the same FLOPs anywhere, except that with a split
+allowed a decode-only backend's prefill second is priced at the larger of its compute and bandwidth
+shares, `_prefill_price`), plus the **delay it imposes
 on the requests already running**: a prefill on b stalls each of b's running decodes for its compute
 (chunked prefill puts its chunks into their steps), and one more sequence on d lengthens each of d's
 other sequences' steps for about this request's output length, a prefill delays the prompts queued
@@ -115,7 +117,7 @@ _Predicted = tuple[float, float, float, float, float, float, float, float, tuple
 _PriceArgs = tuple[
     tuple[np.ndarray, np.ndarray, float],
     tuple[float, float, bool, float, float],
-    tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     tuple[np.ndarray, ...],
     tuple[np.ndarray, np.ndarray],
 ]
@@ -139,6 +141,9 @@ class _Cluster:
     specs: tuple[BackendSpec, ...]
     work: WorkModel
     price: np.ndarray  # compute weight of one second on each backend
+    # What a second of prefill on each backend costs where a split is allowed: `price`, but on a
+    # decode-only backend the larger of its compute and memory-bandwidth shares (see `_prefill_price`).
+    prefill_price: np.ndarray
     kv_limit: np.ndarray  # the KV tokens a plan may fill (95 % of the capacity)
     # [4, p, d]: the pair correction, seconds per KV token (without the fixed latency), the fixed latency,
     # the split's TTFT headroom (`_learn_headroom`); one array so a plan's pairs take all four at once
@@ -242,25 +247,28 @@ class CostRanker(SimpleRanker):
 
     # --- pricing ---------------------------------------------------------------------------------------
     def _price(
-        self, request: RequestFeatures, c: Candidates, cl: _Cluster, idle_is_free: bool = False
+        self, request: RequestFeatures, c: Candidates, cl: _Cluster, whole_only: bool = False
     ) -> _Priced:
         """Every plan's figures per backend (`_Priced`), under the request's SLO targets: `_price_rows`
         in one compiled loop over the backends (as numpy, ~300 calls of ~1 us on 64 rows). `choose`
         prices inside `_plan_kernel` instead, from the same arguments."""
-        args = self._price_args(request, c, cl, idle_is_free)
+        args = self._price_args(request, c, cl, whole_only)
         rows = _price_rows(*args)
         figures: list[np.ndarray] = list(rows)
         figures[kv_ok_], figures[aok_] = rows[kv_ok_] > 0, rows[aok_] > 0
         return _Priced(args[1][3:5], *figures)
 
     def _price_args(
-        self, request: RequestFeatures, c: Candidates, cl: _Cluster, idle_is_free: bool
+        self, request: RequestFeatures, c: Candidates, cl: _Cluster, whole_only: bool
     ) -> _PriceArgs:
         """`_price_rows`' arguments: the engine, the request under its SLO targets, the cluster's
-        corrections, the load columns (the surviving cached tokens first) and the split legs due."""
+        corrections, the load columns (the surviving cached tokens first) and the split legs due.
+        `whole_only` (`never`): an idle backend's first sequence does not pay the step's weights read,
+        and every backend's prefill is priced by its compute alone (see `choose`)."""
         work = cl.work
         slo_ttft, slo_tpot = self._targets(request, cl)
         f = np.float64
+        prefill_price = cl.price if whole_only else cl.prefill_price
         context = work.context(c.context_tokens, c.kv_usage, c.context_when_reported)
         columns = (c.surviving_cached(), c.decode_seqs, context, c.prefill_tokens, c.prefill_len,
                    c.step_tokens, c.step_elapsed, c.step_behind)  # fmt: skip
@@ -269,11 +277,11 @@ class CostRanker(SimpleRanker):
             (
                 float(request.prompt_tokens),
                 float(max(request.max_tokens, 1)),
-                idle_is_free,
+                whole_only,
                 slo_ttft,
                 slo_tpot,
             ),
-            (cl.compute_factor, cl.tpot_factor, cl.price, cl.kv_limit, work.fixed_step),
+            (cl.compute_factor, cl.tpot_factor, prefill_price, cl.price, cl.kv_limit, work.fixed_step),
             tuple([np.asarray(x, dtype=f) for x in columns]),
             (np.asarray(c.kv_due_rows, dtype=np.int64), np.asarray(c.kv_due_s, dtype=f)),
         )
@@ -310,7 +318,8 @@ class CostRanker(SimpleRanker):
         # backend look 10x dearer than a busy one and piled requests onto the busiest (B200 + 2xH100,
         # multi-turn chats: 19.3 -> 25.2 requests/s SLO capacity without the charge). With a split
         # allowed, those steps are the price of making a backend a decoder, which keeps a compute-rich
-        # one prefilling (dropped there too, the AMD seed case lost a third of its SLO capacity).
+        # one prefilling (dropped there too, the AMD seed case lost a third of its SLO capacity), and a
+        # decode-only backend's prefill is priced as the decoding it displaces (`_prefill_price`).
         args = self._price_args(request, c, cl, mode is Disaggregation.NEVER)
         turn = self._rotate.turn
         min_lacking = float(split.pd_min_prompt_tokens) if mode is Disaggregation.AUTO else -np.inf
@@ -584,6 +593,7 @@ class CostRanker(SimpleRanker):
                 specs,
                 work,
                 hw.gemm_flops / hw.gemm_flops.max(),
+                _prefill_price(hw, specs),
                 0.95 * work.kv_capacity,
                 links,
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.gemm_flops))), self.efficiency),
@@ -598,6 +608,23 @@ class CostRanker(SimpleRanker):
             self._clusters[key] = cl
         self._last = cl
         return cl
+
+
+def _prefill_price(hw: Hardware, specs: tuple[BackendSpec, ...]) -> np.ndarray:
+    """What a second of prefill costs on each backend where a split is allowed: its compute share, as
+    any second there, but on a backend the config keeps for decoding (decode-only) the larger of its
+    compute and memory-bandwidth shares. Serving a request whole there spends seconds of a backend kept
+    for bandwidth-bound work on compute-bound work, and every decode it runs waits for that prefill
+    (chunked prefill puts it into their steps). Priced by compute alone, an MI308X's prefill cost
+    about what the MI300X's does (5.6x the seconds at 0.18x the price), so `auto` served prompts whole
+    on the MI308X servers wherever that finished first, and their decodes missed their TPOT (AMD seed
+    cluster, Azure code traces: 0.94 -> 1.02 requests/s of SLO capacity with this price;
+    docs/policies.md, twenty-fourth pass). Under `never` every backend serves whole and this does not
+    apply: pricing the MI308X's prefill so left only the MI300X serving (Azure code: 0.53 -> 0)."""
+    compute = hw.gemm_flops / hw.gemm_flops.max()
+    bandwidth = hw.mem_bw / hw.mem_bw.max()
+    decode_only = np.array([Role.PREFILL not in s.roles for s in specs], dtype=bool)
+    return np.where(decode_only, np.maximum(compute, bandwidth), compute)
 
 
 @kernel
@@ -643,20 +670,21 @@ def _shortlist(rows: np.ndarray, time: np.ndarray, cost: np.ndarray) -> np.ndarr
 def _price_rows(
     engine: tuple[np.ndarray, np.ndarray, float],
     request: tuple[float, float, bool, float, float],
-    cluster: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    cluster: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     load: tuple[np.ndarray, ...],
     kv_due: tuple[np.ndarray, np.ndarray],
 ) -> np.ndarray:
     """`_Priced`'s rows for one request on every backend. `engine`: `WorkModel.table`, `.weights`, the
     step's token budget; `request`: prompt tokens, output tokens, `idle_is_free`, the TTFT and TPOT
-    targets; `cluster`: compute and TPOT corrections, prices, KV limits, `WorkModel.fixed_step`;
+    targets; `cluster`: compute and TPOT corrections, prices of a prefill second and of a decode
+    second, KV limits, `WorkModel.fixed_step`;
     `load`: per backend, the cached tokens it should still hold (`Candidates.surviving_cached`), the
     sequences decoding, their context (`WorkModel.context`), then `Candidates`' prefill tokens,
     prompt length, step tokens, step elapsed and step behind; `kv_due`: `Candidates.kv_due_rows`,
     `.kv_due_s`."""
     table, weights, chunk = engine
     prompt, out, idle_is_free, slo_ttft, slo_tpot = request
-    k, tpot_factor, price, kv_limit, fixed_step = cluster
+    k, tpot_factor, prefill_price, price, kv_limit, fixed_step = cluster
     surviving, seqs, context = load[0], load[1], load[2]
     prefill_tokens, prefill_len, step_tokens, step_elapsed, step_behind = load[3:]
     n = seqs.size
@@ -702,7 +730,7 @@ def _price_rows(
         rows[stall_, i] = k[i] * s[4, i]
         rows[ttft_, i] = rows[wait_, i] + compute
         rows[delay_, i] = compute * _cobatched(s[7, i], prefill_len[i], new[i], chunk)
-        rows[ccost_, i] = price[i] * compute
+        rows[ccost_, i] = prefill_price[i] * compute
         rows[dprice_, i] = price[i] * decode_cost
         rows[tseen_, i] = tpot * tpot_factor[i]
         rows[step_, i] = step

@@ -127,6 +127,28 @@ def test_a_decode_only_backend_serves_short_requests_whole(deepseek):
     assert plan.mode is Mode.AGGREGATED and plan.aggregated[0] == 1
 
 
+@pytest.mark.parametrize("roles", [(BOTH, D), (BOTH, BOTH)])
+def test_a_decode_only_backends_prefill_costs_its_bandwidth_share_where_a_split_is_allowed(deepseek, roles):
+    """The MI308X has 18 % of the MI300X's compute and all of its bandwidth. Its prefill seconds cost
+    its compute share under `never`, and with a split allowed too where it may prefill; kept for
+    decoding (decode-only) and serving a request whole, they cost its bandwidth share, the decoding
+    they displace. The MI300X's cost the same either way."""
+    ranker = CostRanker(deepseek)
+    c = cluster(roles=roles)
+    cl = ranker._cluster(c.specs)
+    mi300x, mi308x = load_catalog().accelerator("mi300x"), load_catalog().accelerator("mi308x")
+    compute_share = mi308x.fp8_tflops / mi300x.fp8_tflops
+    assert mi308x.memory_tbps == mi300x.memory_tbps and compute_share < 0.2
+    split_allowed = ranker._price(long_prompt(), c, cl)
+    whole_only = ranker._price(long_prompt(), c, cl, whole_only=True)
+    for priced in (split_allowed, whole_only):
+        assert priced.compute_cost[0] == pytest.approx(priced.compute[0])
+    assert whole_only.compute_cost[1] == pytest.approx(compute_share * whole_only.compute[1], rel=0.01)
+    kept_for_decoding = roles[1] == D
+    expected = 1.0 if kept_for_decoding else compute_share
+    assert split_allowed.compute_cost[1] == pytest.approx(expected * split_allowed.compute[1], rel=0.01)
+
+
 @pytest.mark.parametrize("running", [0, 16])
 def test_a_long_prefill_keeps_off_a_decoder_with_running_sequences(deepseek, running):
     """The MI300X has 16k-token prompts queued; the decode-only MI308X would finish this one sooner. Idle,
