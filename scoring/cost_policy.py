@@ -589,11 +589,12 @@ class CostRanker(SimpleRanker):
             headroom = [[self._headroom.get((a.id, b.id), 1.0) for b in specs] for a in specs]
             links = np.array([pair_factor, per_token, latency, headroom], dtype=float)
             work = WorkModel(self.model, hw, self.efficiency, self.chunk_tokens)
+            compute_share = hw.gemm_flops / hw.gemm_flops.max()
             cl = _Cluster(
                 specs,
                 work,
-                hw.gemm_flops / hw.gemm_flops.max(),
-                _prefill_price(hw, specs),
+                compute_share,
+                _prefill_price(compute_share, hw, specs),
                 0.95 * work.kv_capacity,
                 links,
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.gemm_flops))), self.efficiency),
@@ -610,18 +611,17 @@ class CostRanker(SimpleRanker):
         return cl
 
 
-def _prefill_price(hw: Hardware, specs: tuple[BackendSpec, ...]) -> np.ndarray:
-    """What a second of prefill costs on each backend where a split is allowed: its compute share, as
-    any second there, but on a backend the config keeps for decoding (decode-only) the larger of its
-    compute and memory-bandwidth shares. Serving a request whole there spends seconds of a backend kept
-    for bandwidth-bound work on compute-bound work, and every decode it runs waits for that prefill
-    (chunked prefill puts it into their steps). Priced by compute alone, an MI308X's prefill cost
-    about what the MI300X's does (5.6x the seconds at 0.18x the price), so `auto` served prompts whole
-    on the MI308X servers wherever that finished first, and their decodes missed their TPOT (AMD seed
-    cluster, Azure code traces: 0.94 -> 1.02 requests/s of SLO capacity with this price;
-    docs/policies.md, twenty-fourth pass). Under `never` every backend serves whole and this does not
-    apply: pricing the MI308X's prefill so left only the MI300X serving (Azure code: 0.53 -> 0)."""
-    compute = hw.gemm_flops / hw.gemm_flops.max()
+def _prefill_price(compute: np.ndarray, hw: Hardware, specs: tuple[BackendSpec, ...]) -> np.ndarray:
+    """What a second of prefill costs on each backend where a split is allowed: its `compute` share
+    (`_Cluster.price`), as any second there, but on a backend the config keeps for decoding (decode-only) the
+    larger of its compute and memory-bandwidth shares. Serving a request whole there spends seconds of a
+    backend kept for bandwidth-bound work on compute-bound work, and every decode it runs waits for that
+    prefill (chunked prefill puts it into their steps). Priced by compute alone, an MI308X's prefill cost
+    about what the MI300X's does (5.6x the seconds at 0.18x the price), so `auto` served prompts whole on the
+    MI308X servers wherever that finished first, and their decodes missed their TPOT (AMD seed cluster, Azure
+    code traces: 0.94 -> 1.02 requests/s of SLO capacity with this price; docs/policies.md, twenty-fourth
+    pass). Under `never` every backend serves whole and this does not apply: pricing the MI308X's prefill so
+    left only the MI300X serving (Azure code: 0.53 -> 0)."""
     bandwidth = hw.mem_bw / hw.mem_bw.max()
     decode_only = np.array([Role.PREFILL not in s.roles for s in specs], dtype=bool)
     return np.where(decode_only, np.maximum(compute, bandwidth), compute)
