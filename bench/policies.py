@@ -21,7 +21,8 @@ showed (more `--requests` needed).
 
     hetgate bench policies [--quick] [--scenarios A,B] [--policies cost/auto,...]
                            [--rates R1,R2 | --rate-fracs F1,F2] [--refine N] [--requests N] [--trace FILE]
-                           [--json FILE] [--plot FILE] [--jobs J] [--http [--target NAME=URL|NAME=COMMAND]]
+                           [--seeds N] [--json FILE] [--plot FILE] [--jobs J]
+                           [--http [--target NAME=URL|NAME=COMMAND]]
 """
 
 from __future__ import annotations
@@ -81,26 +82,32 @@ class Scenario:
     cluster: str
     requests: tuple[w.WorkloadRequest, ...]
     arrivals: str = "poisson"
+    seed: int = 0  # the repetition (`workload`): its arrival draws, or its window of a trace
 
-    def at_rate(self, rate: float, seed: int = 0) -> list[w.WorkloadRequest]:
+    def at_rate(self, rate: float) -> list[w.WorkloadRequest]:
         if self.arrivals == "bursty":
-            return w.with_bursty_arrivals(self.requests, rate, burst_size=8, seed=seed)
+            return w.with_bursty_arrivals(self.requests, rate, burst_size=8, seed=self.seed)
         start = min(r.arrival_s for r in self.requests)
         duration = max(r.arrival_s for r in self.requests) - start
         if self.arrivals == "trace" and duration > 0:
             shifted = [replace(r, arrival_s=r.arrival_s - start) for r in self.requests]
             return w.with_speedup(shifted, rate / (len(self.requests) / duration))
-        return w.with_poisson_arrivals(self.requests, rate, seed)
+        return w.with_poisson_arrivals(self.requests, rate, self.seed)
 
 
-def workload(kind: str, n: int, trace: str | None = None) -> tuple[list[w.WorkloadRequest], str]:
-    """The first `n` requests of a workload kind, and how its arrivals are applied."""
+def workload(
+    kind: str, n: int, trace: str | None = None, seed: int = 0
+) -> tuple[list[w.WorkloadRequest], str]:
+    """`n` requests of a workload kind, and how its arrivals are applied. Repetition `seed` of a trace is
+    its `seed`-th window of `n` requests (a trace's arrivals are its own: another draw of them is another
+    stretch of it); of the multi-turn chats, another draw of their sessions; the other kinds keep their
+    requests and draw their arrivals with `seed` (`Scenario.at_rate`). Repetition 0 is the first window."""
     if kind == "seed":
         return w.fixed_lengths(n, 16384, 128, name="seed"), "poisson"
     if kind == "mooncake":
-        return w.mooncake_trace(limit=n), "trace"
+        return _window(w.mooncake_trace(limit=(seed + 1) * n), n, seed, kind), "trace"
     if kind in ("azure-conv", "azure-code"):
-        return w.azure_trace(kind.split("-")[1], limit=n), "trace"
+        return _window(w.azure_trace(kind.split("-")[1], limit=(seed + 1) * n), n, seed, kind), "trace"
     if kind == "sysprompt":
         return w.shared_system_prompts(n, system_prompts=4, system_tokens=2048, user_tokens=256), "poisson"
     if kind == "bursty":
@@ -109,10 +116,21 @@ def workload(kind: str, n: int, trace: str | None = None) -> tuple[list[w.Worklo
         ), "bursty"
     if kind == "multiturn":
         turns = 8
-        return w.multi_turn_chats(max(1, n // turns), turns, think_time_s=20.0)[:n], "trace"
+        return w.multi_turn_chats(max(1, n // turns), turns, think_time_s=20.0, seed=seed)[:n], "trace"
     if kind == "trace" and trace:
-        return w.load_trace(trace, limit=n), "trace"
+        return _window(w.load_trace(trace, limit=(seed + 1) * n), n, seed, trace), "trace"
     raise ValueError(f"unknown workload {kind!r}")
+
+
+def _window(requests: list[w.WorkloadRequest], n: int, seed: int, name: str) -> list[w.WorkloadRequest]:
+    """The `seed`-th run of `n` requests of a trace loaded up to its end (`Scenario.at_rate` re-bases the
+    arrivals). A trace too short for it is an error, not a shorter run."""
+    if seed and len(requests) < (seed + 1) * n:
+        raise ValueError(
+            f"{name}: {len(requests)} requests, too few for repetition {seed} of {n} "
+            f"(use fewer --seeds or --requests)"
+        )
+    return requests[seed * n : (seed + 1) * n]
 
 
 def scenario_names(traces: Sequence[str] = ()) -> list[str]:
@@ -124,16 +142,16 @@ def scenario_names(traces: Sequence[str] = ()) -> list[str]:
     return names
 
 
-def build_scenario(name: str, n: int) -> Scenario:
+def build_scenario(name: str, n: int, seed: int = 0) -> Scenario:
     if name == "seed":
         requests, arrivals = workload("seed", n)
-        return Scenario(name, "amd", tuple(requests), arrivals)
+        return Scenario(name, "amd", tuple(requests), arrivals, seed)
     kind, _, cluster = name.rpartition("@")
     if cluster not in CLUSTERS:
         raise ValueError(f"scenario {name!r}: cluster must be one of {', '.join(CLUSTERS)}")
     trace = kind.removeprefix("trace:") if kind.startswith("trace:") else None
-    requests, arrivals = workload("trace" if trace else kind, n, trace)
-    return Scenario(name, cluster, tuple(requests), arrivals)
+    requests, arrivals = workload("trace" if trace else kind, n, trace, seed)
+    return Scenario(name, cluster, tuple(requests), arrivals, seed)
 
 
 @cache
@@ -196,6 +214,7 @@ class Row:
     # (`cost`: the prediction the plan was chosen by); None for policies that predict nothing.
     ttft_over_predicted_p50: float | None = None
     tpot_over_predicted_p50: float | None = None
+    seed: int = 0  # the repetition (`Scenario.seed`)
 
 
 @dataclass(slots=True)
@@ -332,7 +351,9 @@ def run_des(scenario: Scenario, rate: float, policy: str, slo: Slo) -> Row:
     }
     bound = scenario_bound(scenario)
     limits = slo.limits(cluster, scenario.requests)
-    return row_from(scenario, "des", rate, bound, policy, outcomes, limits, extra, cluster.ids)
+    row = row_from(scenario, "des", rate, bound, policy, outcomes, limits, extra, cluster.ids)
+    row.seed = scenario.seed
+    return row
 
 
 def des_outcome(r: Any) -> Outcome:
@@ -358,12 +379,12 @@ def _utilisation(sim: Simulation, result: DesResult) -> dict[str, float]:
     return {spec.id: round(b / span, 3) for spec, b in zip(sim.specs, busy, strict=True)}
 
 
-_BOUNDS: dict[tuple[str, int], FluidBound] = {}  # per process: (scenario, requests) -> its bound
-_SLO_BOUNDS: dict[tuple[str, int, Slo], float] = {}  # (scenario, requests, SLO) -> its SLO bound
+_BOUNDS: dict[tuple[str, int, int], FluidBound] = {}  # per process: (scenario, requests, seed) -> its bound
+_SLO_BOUNDS: dict[tuple[str, int, int, Slo], float] = {}  # (scenario, requests, seed, SLO) -> its SLO bound
 
 
 def scenario_bound(scenario: Scenario) -> FluidBound:
-    key = (scenario.name, len(scenario.requests))
+    key = (scenario.name, len(scenario.requests), scenario.seed)
     if key not in _BOUNDS:
         _BOUNDS[key] = fluid_bound(cluster_named(scenario.cluster), scenario.requests)
     return _BOUNDS[key]
@@ -398,42 +419,77 @@ def _first_miss(rows: Sequence[Row]) -> tuple[list[tuple[float, float]], int | N
 
 
 REFINE_CLOSE = 1.05  # an interval narrower than this (hi/lo) is not bisected further
+Task = tuple[str, int, float, str, Slo, int]  # one point: scenario, requests, rate, policy, SLO, seed
 
 
-def refinements(plan: Plan, rows: Sequence[Row]) -> list[tuple[str, int, float, str, Slo]]:
+def refinements(plan: Plan, rows: Sequence[Row]) -> list[Task]:
     """One more point per scenario and policy: the middle of its crossing interval, where it is still
     wider than `REFINE_CLOSE`."""
     tasks = []
-    for name, policy in sorted({(r.scenario, r.policy) for r in rows}):
-        found = crossing([r for r in rows if (r.scenario, r.policy) == (name, policy)])
+    for name, policy, seed in sorted({(r.scenario, r.policy, r.seed) for r in rows}):
+        found = crossing([r for r in rows if (r.scenario, r.policy, r.seed) == (name, policy, seed)])
         if found is not None and found[1] > REFINE_CLOSE * found[0]:
-            tasks.append((name, plan.requests, round(0.5 * (found[0] + found[1]), 4), policy, plan.slo))
+            rate = round(0.5 * (found[0] + found[1]), 4)
+            tasks.append((name, plan.requests, rate, policy, plan.slo, seed))
     return tasks
 
 
 def capacities(rows: Sequence[Row]) -> list[dict[str, Any]]:
     """SLO capacity per scenario x policy, with cost's ratios over round_robin and prefix (same split
-    setting, and best of both settings)."""
-    table: dict[tuple[str, str, str], tuple[float, bool]] = {}
-    for key in sorted({(r.scenario, r.mode, r.policy) for r in rows}):
-        table[key] = slo_capacity([r for r in rows if (r.scenario, r.mode, r.policy) == key])
+    setting, and best of both settings). With repetitions (`Row.seed`), each is taken per repetition,
+    whose policies all saw the same requests at the same times; an entry has their mean and their range
+    (`capacity_range`, `ratio_range`: [lowest, highest]), a ratio the mean of the paired ratios."""
+    table: dict[tuple[str, str, int, str], tuple[float, bool]] = {}
+    for key in sorted({(r.scenario, r.mode, r.seed, r.policy) for r in rows}):
+        table[key] = slo_capacity([r for r in rows if (r.scenario, r.mode, r.seed, r.policy) == key])
     out = []
-    for scenario, mode in sorted({(s, m) for s, m, _ in table}):
-        caps = {p: c for (s, m, p), c in table.items() if (s, m) == (scenario, mode)}
+    for scenario, mode in sorted({(s, m) for s, m, _, _ in table}):
+        seeds = sorted({k for s, m, k, _ in table if (s, m) == (scenario, mode)})
+        runs = [
+            {p: c for (s, m, k, p), c in table.items() if (s, m, k) == (scenario, mode, seed)}
+            for seed in seeds
+        ]
+        policies = sorted({p for caps in runs for p in caps})
+        per_policy = {p: [caps[p][0] for caps in runs if p in caps] for p in policies}
         entry: dict[str, Any] = {
             "scenario": scenario,
             "mode": mode,
-            "capacity": {p: round(c, 4) for p, (c, _) in caps.items()},
-            "censored": sorted(p for p, (_, cen) in caps.items() if cen),
+            "seeds": seeds,
+            "capacity": {p: round(float(np.mean(c)), 4) for p, c in per_policy.items()},
+            "capacity_range": {p: [round(min(c), 4), round(max(c), 4)] for p, c in per_policy.items()},
+            "censored": sorted(p for p in policies if any(caps[p][1] for caps in runs if p in caps)),
         }
-        ratios: dict[str, float | None] = {}
-        for base in ("round_robin", "prefix"):
-            for split in ("never", "auto"):
-                ratios[f"cost/{base} ({split})"] = _ratio(caps, f"cost/{split}", f"{base}/{split}")
-            ratios[f"cost/{base} (best)"] = _best_ratio(caps, "cost", base)
-        entry["ratios"] = ratios
+        paired: dict[str, list[float | None]] = {}
+        for caps in runs:
+            for name, ratio in _ratios(caps).items():
+                paired.setdefault(name, []).append(ratio)
+        entry["ratios"] = {name: _mean_ratio(r) for name, r in paired.items()}
+        entry["ratio_range"] = {name: _ratio_range(r) for name, r in paired.items()}
         out.append(entry)
     return out
+
+
+def _ratios(caps: dict[str, tuple[float, bool]]) -> dict[str, float | None]:
+    """`cost` over round_robin and prefix in one run: per split setting, and best over best."""
+    ratios: dict[str, float | None] = {}
+    for base in ("round_robin", "prefix"):
+        for split in ("never", "auto"):
+            ratios[f"cost/{base} ({split})"] = _ratio(caps, f"cost/{split}", f"{base}/{split}")
+        ratios[f"cost/{base} (best)"] = _best_ratio(caps, "cost", base)
+    return ratios
+
+
+def _mean_ratio(ratios: Sequence[float | None]) -> float | None:
+    """The mean of one ratio over the repetitions; None where any repetition has none (neither policy
+    met the SLO), infinite where any has an infinite one."""
+    if not ratios or any(r is None for r in ratios):
+        return None
+    return round(float(np.mean([float(r) for r in ratios if r is not None])), 3)
+
+
+def _ratio_range(ratios: Sequence[float | None]) -> list[float] | None:
+    known = [float(r) for r in ratios if r is not None]
+    return [min(known), max(known)] if known and len(known) == len(ratios) else None
 
 
 def _ratio(caps: dict[str, tuple[float, bool]], a: str, b: str) -> float | None:
@@ -468,6 +524,7 @@ class Plan:
     slo: Slo = field(default_factory=Slo)
     slo_fracs: tuple[float, ...] = ()  # more rates, as fractions of each scenario's SLO bound
     refine: int = 0  # bisections of each policy's crossing interval after the grid (`refinements`)
+    seeds: int = 1  # repetitions of every scenario (`workload`), each swept and refined on its own
 
 
 def rates_for(plan: Plan, scenario: Scenario) -> list[float]:
@@ -482,7 +539,7 @@ def rates_for(plan: Plan, scenario: Scenario) -> list[float]:
 
 
 def scenario_slo_bound(scenario: Scenario, slo: Slo) -> float:
-    key = (scenario.name, len(scenario.requests), slo)
+    key = (scenario.name, len(scenario.requests), scenario.seed, slo)
     if key not in _SLO_BOUNDS:
         cluster = cluster_named(scenario.cluster)
         ttft, tpot = slo.limits(cluster, scenario.requests)
@@ -490,23 +547,24 @@ def scenario_slo_bound(scenario: Scenario, slo: Slo) -> float:
     return _SLO_BOUNDS[key]
 
 
-def _job(args: tuple[str, int, float, str, Slo]) -> Row:
-    name, n, rate, policy, slo = args
-    return run_des(get_scenario(name, n), rate, policy, slo)
+def _job(args: Task) -> Row:
+    name, n, rate, policy, slo, seed = args
+    return run_des(get_scenario(name, n, seed), rate, policy, slo)
 
 
 @cache
-def get_scenario(name: str, n: int) -> Scenario:
-    return build_scenario(name, n)
+def get_scenario(name: str, n: int, seed: int = 0) -> Scenario:
+    return build_scenario(name, n, seed)
 
 
 def sweep(plan: Plan, jobs: int = 1, progress: Callable[[Row], None] | None = None) -> list[Row]:
     """The grid (every scenario x rate x policy), then `plan.refine` rounds of `refinements`."""
-    tasks = []
+    tasks: list[Task] = []
     for name in plan.scenarios:
-        scenario = get_scenario(name, plan.requests)
-        for rate in rates_for(plan, scenario):
-            tasks += [(name, plan.requests, rate, policy, plan.slo) for policy in plan.policies]
+        for seed in range(plan.seeds):
+            scenario = get_scenario(name, plan.requests, seed)
+            for rate in rates_for(plan, scenario):
+                tasks += [(name, plan.requests, rate, policy, plan.slo, seed) for policy in plan.policies]
     rows = _run(tasks, jobs, progress)
     for _ in range(plan.refine):
         more = refinements(plan, rows)
@@ -516,9 +574,7 @@ def sweep(plan: Plan, jobs: int = 1, progress: Callable[[Row], None] | None = No
     return rows
 
 
-def _run(
-    tasks: list[tuple[str, int, float, str, Slo]], jobs: int, progress: Callable[[Row], None] | None
-) -> list[Row]:
+def _run(tasks: list[Task], jobs: int, progress: Callable[[Row], None] | None) -> list[Row]:
     rows: list[Row] = []
     if jobs <= 1:
         for task in tasks:
@@ -536,14 +592,14 @@ def _run(
 
 def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
     bounds, slo_bounds = {}, {}
-    for name in plan.scenarios:
-        scenario = get_scenario(name, plan.requests)
-        b = scenario_bound(scenario)
+    for name in plan.scenarios:  # over the repetitions, the mean (a trace's windows differ)
+        scenarios = [get_scenario(name, plan.requests, seed) for seed in range(plan.seeds)]
+        fluid = [scenario_bound(s) for s in scenarios]
         bounds[name] = {
-            "requests_per_s": round(b.requests_per_s, 4),
-            "output_tok_per_s": round(b.output_tok_per_s, 2),
+            "requests_per_s": round(float(np.mean([b.requests_per_s for b in fluid])), 4),
+            "output_tok_per_s": round(float(np.mean([b.output_tok_per_s for b in fluid])), 2),
         }
-        slo_bounds[name] = round(scenario_slo_bound(scenario, plan.slo), 4)
+        slo_bounds[name] = round(float(np.mean([scenario_slo_bound(s, plan.slo) for s in scenarios])), 4)
     return {
         "plan": {
             "scenarios": plan.scenarios,
@@ -553,6 +609,7 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
             "rates": list(plan.rates),
             "slo": asdict(plan.slo),
             "goal": GOAL,
+            "seeds": plan.seeds,
         },
         "fluid_bound": bounds,
         "slo_bound": slo_bounds,  # requests/s: no policy's steady state serves more within the SLO
@@ -610,24 +667,39 @@ def print_report(data: dict[str, Any]) -> None:
     cap.add_column("cost/prefix best", justify="right")
     cap.add_column("SLO bound", justify="right")
     for entry in data["capacity"]:
+        spans, ratios = entry.get("capacity_range", {}), entry["ratios"]
         cells = [
-            f"{entry['capacity'][p]:.3g}{'*' if p in entry['censored'] else ''}"
+            f"{entry['capacity'][p]:.3g}{_span(spans.get(p), '.3g')}{'*' if p in entry['censored'] else ''}"
             f"{'!' if p in entry.get('above_slo_bound', ()) else ''}"
             if p in entry["capacity"]
             else "-"
             for p in policies
         ]
-        ratios = entry["ratios"]
+        best = [
+            _fmt(ratios.get(name)) + _span(entry.get("ratio_range", {}).get(name), ".2f")
+            for name in ("cost/round_robin (best)", "cost/prefix (best)")
+        ]
         cap.add_row(
-            entry["scenario"], entry["mode"], *cells,
-            _fmt(ratios.get("cost/round_robin (best)")), _fmt(ratios.get("cost/prefix (best)")),
+            entry["scenario"], entry["mode"], *cells, *best,
             f"{data.get('slo_bound', {}).get(entry['scenario'], float('nan')):.3g}",
         )  # fmt: skip
     console.print(cap)
+    if data["plan"].get("seeds", 1) > 1:
+        console.print(
+            f"Means over {data['plan']['seeds']} repetitions (lowest-highest); a ratio is the mean of "
+            "the ratios within each repetition."
+        )
 
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _span(span: Sequence[float] | None, spec: str) -> str:
+    """` (lo-hi)` where repetitions disagree, else nothing."""
+    if not span or span[0] == span[1]:
+        return ""
+    return f" ({span[0]:{spec}}-{span[1]:{spec}})"
 
 
 def plot(data: dict[str, Any], path: str) -> None:
@@ -705,6 +777,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="--http: NAME=URL of an external router to compare, or NAME=COMMAND to start it per point "
         "({port}, {workers} filled in)",
     )
+    add(
+        "--seeds",
+        type=int,
+        default=1,
+        help="repetitions of every scenario: arrivals drawn anew, or a trace's next --requests window "
+        "(capacities and ratios: mean and range)",
+    )
     add("--quiet", action="store_true", help="no progress lines")
     return parser.parse_args(list(argv))
 
@@ -735,7 +814,9 @@ def plan_from(args: argparse.Namespace) -> Plan:
     rates = tuple(float(x) for x in args.rates.split(",")) if args.rates else ()
     slo = Slo(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s)
     refine = args.refine if args.refine is not None else (0 if args.http or args.quick else 2)
-    return Plan(scenarios, policies, requests, fracs, rates, slo, slo_fracs, refine)
+    if args.seeds < 1 or (args.http and args.seeds > 1):
+        raise SystemExit("--seeds takes a count of at least 1, and more than 1 only without --http")
+    return Plan(scenarios, policies, requests, fracs, rates, slo, slo_fracs, refine, args.seeds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -299,7 +299,7 @@ def test_refinement_bisects_each_policys_crossing_interval() -> None:
     rows = [_row(1, 1.0), _row(2, 0.95), _row(4, 0.5), _row(8, 0.99)]  # the first miss counts, not 8
     rows += [replace(_row(r, g), policy="q") for r, g in ((1, 0.5), (2, 0.2))]
     assert pb.crossing(rows[:4]) == (2, 4)
-    assert pb.refinements(plan, rows) == [("s", 20, 3.0, "p", plan.slo)]
+    assert pb.refinements(plan, rows) == [("s", 20, 3.0, "p", plan.slo, 0)]
     assert pb.refinements(plan, [_row(1, 1.0), _row(1.04, 0.5)]) == []
     assert pb.refinements(plan, [_row(1, 1.0), _row(2, 0.95)]) == []
 
@@ -316,3 +316,51 @@ def test_a_refined_sweep_measures_inside_the_crossing_and_narrows_the_capacity()
     ]
     refined_low, refined_high = pb.crossing(fine) or (0.0, 0.0)
     assert refined_high - refined_low == pytest.approx((high - low) / 4, rel=1e-3)
+
+
+def test_repetitions_draw_new_arrivals_or_the_next_window_of_a_trace() -> None:
+    bursty = [pb.build_scenario("bursty@amd", 40, seed) for seed in (0, 1)]
+    assert bursty[0].requests == bursty[1].requests  # the same prompts...
+    assert [r.arrival_s for r in bursty[0].at_rate(5.0)] != [r.arrival_s for r in bursty[1].at_rate(5.0)]
+    assert pb.build_scenario("bursty@amd", 40).at_rate(5.0) == bursty[0].at_rate(5.0)  # 0: as before
+    trace = [pb.build_scenario("azure-code@nvidia", 30, seed) for seed in (0, 2)]
+    whole = w.azure_trace("code", limit=90)
+    assert [r.request_id for r in trace[0].requests] == [r.request_id for r in whole[:30]]
+    assert [r.request_id for r in trace[1].requests] == [r.request_id for r in whole[60:]]
+    assert trace[1].at_rate(10.0)[0].arrival_s == 0.0  # the window is replayed from its own start
+    chats = [pb.build_scenario("multiturn@amd", 16, seed).requests for seed in (0, 1)]
+    assert chats[0] != chats[1]
+    with pytest.raises(ValueError, match="too few"):
+        pb.build_scenario("mooncake@amd", 3000, 1)
+
+
+def test_repetitions_are_swept_apart_and_reported_as_mean_and_range(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plan = pb.Plan(
+        scenarios=["bursty@nvidia"], policies=["round_robin/never", "cost/auto"], requests=40,
+        rate_fracs=(0.2, 0.5, 1.0), seeds=2,
+    )  # fmt: skip
+    rows = pb.sweep(plan, jobs=1)
+    assert sorted({r.seed for r in rows}) == [0, 1] and len(rows) == 2 * 2 * 3
+    data = pb.report(plan, rows)
+    entry = data["capacity"][0]
+    assert entry["seeds"] == [0, 1]
+    alone = [pb.capacities([r for r in rows if r.seed == seed])[0] for seed in (0, 1)]
+    for policy, mean in entry["capacity"].items():
+        each = [a["capacity"][policy] for a in alone]
+        assert mean == pytest.approx(np.mean(each), abs=1e-4)
+        assert entry["capacity_range"][policy] == [min(each), max(each)]
+    paired = [a["ratios"]["cost/round_robin (best)"] for a in alone]
+    if None not in paired:
+        assert entry["ratios"]["cost/round_robin (best)"] == pytest.approx(np.mean(paired), abs=1e-3)
+        assert entry["ratio_range"]["cost/round_robin (best)"] == [min(paired), max(paired)]
+    pb.print_report(data)
+    assert "Means over 2 repetitions" in capsys.readouterr().out
+
+
+def test_seeds_are_for_the_simulator_sweep() -> None:
+    assert pb.plan_from(pb.parse_args(["--scenarios", "seed", "--seeds", "3"])).seeds == 3
+    for bad in (["--seeds", "0"], ["--http", "--seeds", "2"]):
+        with pytest.raises(SystemExit):
+            pb.plan_from(pb.parse_args(bad))
