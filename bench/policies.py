@@ -470,12 +470,15 @@ def capacities(rows: Sequence[Row]) -> list[dict[str, Any]]:
 
 
 def _ratios(caps: dict[str, tuple[float, bool]]) -> dict[str, float | None]:
-    """`cost` over round_robin and prefix in one run: per split setting, and best over best."""
+    """`cost` over round_robin and prefix in one run: per split setting, and best over best; and each
+    policy's `auto` over its `never` (the aim: splitting never loses)."""
     ratios: dict[str, float | None] = {}
     for base in ("round_robin", "prefix"):
         for split in ("never", "auto"):
             ratios[f"cost/{base} ({split})"] = _ratio(caps, f"cost/{split}", f"{base}/{split}")
         ratios[f"cost/{base} (best)"] = _best_ratio(caps, "cost", base)
+    for policy in ("round_robin", "prefix", "cost"):
+        ratios[f"{policy} auto/never"] = _ratio(caps, f"{policy}/auto", f"{policy}/never")
     return ratios
 
 
@@ -665,6 +668,7 @@ def print_report(data: dict[str, Any]) -> None:
         cap.add_column(p, justify="right")
     cap.add_column("cost/rr best", justify="right")
     cap.add_column("cost/prefix best", justify="right")
+    cap.add_column("cost auto/never", justify="right")
     cap.add_column("SLO bound", justify="right")
     for entry in data["capacity"]:
         spans, ratios = entry.get("capacity_range", {}), entry["ratios"]
@@ -677,7 +681,7 @@ def print_report(data: dict[str, Any]) -> None:
         ]
         best = [
             _fmt(ratios.get(name)) + _span(entry.get("ratio_range", {}).get(name), ".2f")
-            for name in ("cost/round_robin (best)", "cost/prefix (best)")
+            for name in ("cost/round_robin (best)", "cost/prefix (best)", "cost auto/never")
         ]
         cap.add_row(
             entry["scenario"], entry["mode"], *cells, *best,

@@ -364,3 +364,14 @@ def test_seeds_are_for_the_simulator_sweep() -> None:
     for bad in (["--seeds", "0"], ["--http", "--seeds", "2"]):
         with pytest.raises(SystemExit):
             pb.plan_from(pb.parse_args(bad))
+
+
+def test_each_policys_auto_is_paired_with_its_never() -> None:
+    def rows(policy: str, good_at_2: float) -> list[pb.Row]:
+        return [replace(_row(1, 1.0), policy=policy), replace(_row(2, good_at_2), policy=policy)]
+
+    # cost/never meets the goal at 1 only (capacity 1 + (1-0.9)/(1-0.8) = 1.5), cost/auto at 1 and 2.
+    entry = pb.capacities(rows("cost/never", 0.8) + rows("cost/auto", 0.95))[0]
+    assert entry["capacity"] == {"cost/never": 1.5, "cost/auto": 2.0}
+    assert entry["ratios"]["cost auto/never"] == pytest.approx(2.0 / 1.5, abs=1e-3)
+    assert entry["ratios"]["round_robin auto/never"] is None  # neither was run
