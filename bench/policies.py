@@ -44,6 +44,7 @@ import numpy as np
 
 from bench import workloads as w
 from bench.clusters import CLUSTERS, Cluster, FluidBound, fluid_bound, load_cluster, slo_bound
+from bench.decode_ceiling import decode_ceiling
 from bench.sim.des import DesResult, Simulation
 from bench.sim.scheduler import SchedulerCore, StepOutput
 from scoring.cost import decode_step_time, prefill_time
@@ -381,6 +382,7 @@ def _utilisation(sim: Simulation, result: DesResult) -> dict[str, float]:
 
 _BOUNDS: dict[tuple[str, int, int], FluidBound] = {}  # per process: (scenario, requests, seed) -> its bound
 _SLO_BOUNDS: dict[tuple[str, int, int, Slo], float] = {}  # (scenario, requests, seed, SLO) -> its SLO bound
+_DECODE_CEILINGS: dict[tuple[str, int, int, Slo], float] = {}  # the same -> its decode ceiling
 
 
 def scenario_bound(scenario: Scenario) -> FluidBound:
@@ -550,6 +552,16 @@ def scenario_slo_bound(scenario: Scenario, slo: Slo) -> float:
     return _SLO_BOUNDS[key]
 
 
+def scenario_decode_ceiling(scenario: Scenario, slo: Slo) -> float:
+    """`bench.decode_ceiling`: the scenario's SLO capacity on its decoders alone, all else ideal."""
+    key = (scenario.name, len(scenario.requests), scenario.seed, slo)
+    if key not in _DECODE_CEILINGS:
+        cluster = cluster_named(scenario.cluster)
+        limits = slo.limits(cluster, scenario.requests)
+        _DECODE_CEILINGS[key] = decode_ceiling(cluster, scenario, limits, GOAL)
+    return _DECODE_CEILINGS[key]
+
+
 def _job(args: Task) -> Row:
     name, n, rate, policy, slo, seed = args
     return run_des(get_scenario(name, n, seed), rate, policy, slo)
@@ -594,7 +606,7 @@ def _run(tasks: list[Task], jobs: int, progress: Callable[[Row], None] | None) -
 
 
 def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
-    bounds, slo_bounds = {}, {}
+    bounds, slo_bounds, ceilings = {}, {}, {}
     for name in plan.scenarios:  # over the repetitions, the mean (a trace's windows differ)
         scenarios = [get_scenario(name, plan.requests, seed) for seed in range(plan.seeds)]
         fluid = [scenario_bound(s) for s in scenarios]
@@ -603,6 +615,8 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
             "output_tok_per_s": round(float(np.mean([b.output_tok_per_s for b in fluid])), 2),
         }
         slo_bounds[name] = round(float(np.mean([scenario_slo_bound(s, plan.slo) for s in scenarios])), 4)
+        ceiling = float(np.mean([scenario_decode_ceiling(s, plan.slo) for s in scenarios]))
+        ceilings[name] = round(ceiling, 4) if math.isfinite(ceiling) else None  # None: never decode-bound
     return {
         "plan": {
             "scenarios": plan.scenarios,
@@ -616,6 +630,9 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
         },
         "fluid_bound": bounds,
         "slo_bound": slo_bounds,  # requests/s: no policy's steady state serves more within the SLO
+        # requests/s on the decoders alone, prefill and transfer free (`bench.decode_ceiling`): an
+        # estimate that, unlike the bounds, sees requests arriving in groups
+        "decode_ceiling": ceilings,
         "rows": [asdict(r) for r in rows],
         "capacity": _flag_transients(capacities(rows), slo_bounds),
     }
@@ -670,6 +687,7 @@ def print_report(data: dict[str, Any]) -> None:
     cap.add_column("cost/prefix best", justify="right")
     cap.add_column("cost auto/never", justify="right")
     cap.add_column("SLO bound", justify="right")
+    cap.add_column("decode ceiling", justify="right")
     for entry in data["capacity"]:
         spans, ratios = entry.get("capacity_range", {}), entry["ratios"]
         cells = [
@@ -686,6 +704,7 @@ def print_report(data: dict[str, Any]) -> None:
         cap.add_row(
             entry["scenario"], entry["mode"], *cells, *best,
             f"{data.get('slo_bound', {}).get(entry['scenario'], float('nan')):.3g}",
+            _fmt(data.get("decode_ceiling", {}).get(entry["scenario"]), ".3g"),
         )  # fmt: skip
     console.print(cap)
     if data["plan"].get("seeds", 1) > 1:
@@ -695,8 +714,8 @@ def print_report(data: dict[str, Any]) -> None:
         )
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else f"{x:{spec}}"
 
 
 def _span(span: Sequence[float] | None, spec: str) -> str:

@@ -88,7 +88,10 @@ def test_report_has_capacities_ratios_and_bounds(
 ) -> None:
     plan, rows = quick_rows
     data = pb.report(plan, rows)
-    assert set(data["fluid_bound"]) == set(data["slo_bound"]) == {"seed", "sysprompt@nvidia"}
+    names = {"seed", "sysprompt@nvidia"}
+    assert set(data["fluid_bound"]) == set(data["slo_bound"]) == set(data["decode_ceiling"]) == names
+    assert data["decode_ceiling"]["seed"] > 0
+    assert data["decode_ceiling"]["sysprompt@nvidia"] is None  # 30 requests at once fit its decoders
     entry = next(e for e in data["capacity"] if e["scenario"] == "seed")
     assert set(entry["capacity"]) == set(plan.policies)
     assert "cost/round_robin (best)" in entry["ratios"]

@@ -1,0 +1,191 @@
+"""The decode ceiling: the SLO capacity of a cluster's decoders alone, with everything else ideal.
+
+`hetgate bench policies` reports two bounds, the fluid bound and the SLO bound (`bench.clusters`). Both
+are fluid: they take the traffic as a steady stream, so a trace whose requests arrive in groups (the
+`bursty` workload: eight at one instant) gets the same bound as the same requests arriving one by one.
+Real decoders see the groups. Each request holds a place in a decode batch for its whole output, a
+batch's step lengthens with every sequence in it, and the TPOT limit caps how many sequences a backend
+can run at once. When groups overlap, every decoder is over that cap at the same time, and no placement
+of the requests avoids it.
+
+This module measures that alone. A replay of the scenario at a given rate where:
+- prefill takes no time, holds up no decode and costs no decoder anything, and KV moves for free: each
+  request starts decoding at its arrival (its first token is the prefill's);
+- every backend that may decode steps its running sequences at `decode_step_time` for its batch and
+  their context (each sequence at its prompt plus half its output, as the SLO limits take it), with
+  the benchmark's efficiency (the simulator's);
+- each arriving request goes to the decoder whose step, with it added, is the shortest (the placement
+  that spreads the batches; a request never moves once placed);
+- a request meets its SLO when its TPOT is within its limit (its TTFT, zero here, always is).
+
+Its SLO capacity (the highest rate at which >= 90 % of the requests meet their TPOT limit, bisected) is
+an estimate, not a proof: a router could in principle do better by holding requests back while a group
+drains (the TTFT limit allows a fraction of a second, against seconds of decoding), or by placing them
+with foresight. What it shows is how far prefill, transfer and placement are from being the limit: a
+policy at the ceiling has nothing left to win but what the arrivals allow.
+
+`python -m bench.decode_ceiling --scenarios bursty@amd,sysprompt@amd --requests 1000`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from bench.clusters import Cluster
+from bench.workloads import WorkloadRequest
+from scoring.cost import decode_step_time
+from scoring.types import Role
+
+_BISECT_STEPS = 12  # the capacity to ~0.05 % of the first bracket
+_ALL_AT_ONCE = 1e12  # requests/s: every request within a nanosecond
+
+
+class Arrivals(Protocol):
+    """A workload whose arrivals can be set to a rate (`bench.policies.Scenario`)."""
+
+    def at_rate(self, rate: float) -> list[WorkloadRequest]: ...
+
+
+@dataclass(slots=True)
+class _Decoders:
+    """The cluster's decoders in the replay: per backend, what it runs and what it may hold."""
+
+    cluster: Cluster
+    seqs_cap: np.ndarray  # vLLM's max_num_seqs (0 where the backend does not decode)
+    batch: np.ndarray  # sequences running
+    context: np.ndarray  # their context in tokens (each at its prompt plus half its output)
+
+    @classmethod
+    def of(cls, cluster: Cluster) -> _Decoders:
+        decodes = np.array([Role.DECODE in b.spec.roles for b in cluster.backends])
+        seqs = np.array([b.spec.max_num_seqs for b in cluster.backends], dtype=float)
+        zeros = np.zeros(len(cluster.backends))
+        return cls(cluster, np.where(decodes, seqs, 0.0), zeros.copy(), zeros.copy())
+
+    def steps(self, extra_seqs: float = 0.0, extra_context: float = 0.0) -> np.ndarray:
+        c = self.cluster
+        step = decode_step_time(
+            c.model, c.hardware(), np.maximum(self.batch + extra_seqs, 1.0), self.context + extra_context,
+            c.efficiency,
+        )  # fmt: skip
+        return np.asarray(step, dtype=float)
+
+    def place(self, context: float) -> int:
+        """The decoder whose step, with this request added, is shortest among those with a free
+        sequence slot (-1: none)."""
+        room = self.batch < self.seqs_cap
+        if not room.any():
+            return -1
+        b = int(np.argmin(np.where(room, self.steps(1.0, context), np.inf)))
+        self.batch[b], self.context[b] = self.batch[b] + 1, self.context[b] + context
+        return b
+
+    def leave(self, b: int, context: float) -> None:
+        self.batch[b], self.context[b] = self.batch[b] - 1, max(self.context[b] - context, 0.0)
+
+
+def decode_goodput(
+    cluster: Cluster, scenario: Arrivals, rate: float, limits: tuple[np.ndarray, np.ndarray]
+) -> float:
+    """The share of the scenario's requests, arriving at `rate`, that meet their SLO on the cluster's
+    decoders alone (module docstring); `limits`: per request of the scenario, its TTFT and TPOT limits."""
+    requests = scenario.at_rate(rate)
+    order = np.argsort([r.arrival_s for r in requests], kind="stable")
+    arrivals = np.array([requests[i].arrival_s for i in order])
+    outputs = np.array([max(requests[i].max_tokens - 1, 0) for i in order], dtype=float)
+    context = np.array([requests[i].prompt_len + requests[i].max_tokens / 2 for i in order])
+    ttft_limits, tpot_limits = limits[0][order], limits[1][order]
+    decoders = _Decoders.of(cluster)
+    placed = np.zeros(len(requests), dtype=np.int64)
+    started = np.zeros(len(requests))
+    left = outputs.copy()  # decode steps each request still has to run
+    running = np.zeros(len(requests), dtype=bool)
+    waiting: deque[int] = deque()  # arrived, no decoder with room yet (vLLM's waiting queue)
+    met = 0
+    now = 0.0
+    k = 0
+    while k < len(requests) or running.any() or waiting:
+        per_step = decoders.steps()[placed]
+        ends = np.where(running, now + left * per_step, np.inf)
+        done = int(np.argmin(ends))
+        arriving = k < len(requests) and arrivals[k] <= ends[done]
+        then = arrivals[k] if arriving else float(ends[done])
+        if not np.isfinite(then):
+            raise RuntimeError("a request fits no decoder even on an idle cluster")
+        left[running] -= (then - now) / per_step[running]
+        now = then
+        if arriving:
+            waiting.append(k)
+            k += 1
+        else:
+            running[done], left[done] = False, 0.0
+            decoders.leave(int(placed[done]), context[done])
+            tpot = (now - started[done]) / outputs[done] if outputs[done] else 0.0
+            met += started[done] - arrivals[done] <= ttft_limits[done] and tpot <= tpot_limits[done]
+        while waiting:
+            b = decoders.place(context[waiting[0]])
+            if b < 0:
+                break
+            i = waiting.popleft()
+            placed[i], started[i], running[i] = b, now, True
+    return met / len(requests)
+
+
+def decode_ceiling(
+    cluster: Cluster, scenario: Arrivals, limits: tuple[np.ndarray, np.ndarray], goal: float
+) -> float:
+    """The highest rate, in requests per second, at which `goal` of the scenario's requests meet their
+    `limits` (`decode_goodput`): doubled from 1 until it misses, then bisected. Infinite where they meet
+    them even all at once (too few requests to fill the decoders)."""
+    if decode_goodput(cluster, scenario, _ALL_AT_ONCE, limits) >= goal:
+        return math.inf
+    lo, hi = 0.0, 1.0
+    while decode_goodput(cluster, scenario, hi, limits) >= goal:
+        lo, hi = hi, hi * 2.0
+    for _ in range(_BISECT_STEPS):
+        mid = (lo + hi) / 2.0
+        if decode_goodput(cluster, scenario, mid, limits) >= goal:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.decode_ceiling", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--scenarios", required=True, help="comma-separated, as `hetgate bench policies` names them"
+    )
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the repetition (`hetgate bench policies --seeds`)"
+    )
+    parser.add_argument("--json", help="also write {scenario: ceiling} here")
+    args = parser.parse_args(argv)
+    from bench.policies import Slo, get_scenario, scenario_decode_ceiling
+
+    ceilings = {}
+    for name in args.scenarios.split(","):
+        ceilings[name] = round(
+            scenario_decode_ceiling(get_scenario(name, args.requests, args.seed), Slo()), 3
+        )
+        print(f"{name:20s} decode ceiling {ceilings[name]:8.3f} requests/s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(ceilings, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
