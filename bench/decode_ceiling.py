@@ -15,10 +15,13 @@ This module measures that alone. A replay of the scenario at a given rate where:
   their context (each sequence at its prompt plus half its output, as the SLO limits take it), with
   the benchmark's efficiency (the simulator's);
 - each arriving request goes to the decoder whose step, with it added, is the shortest (the placement
-  that spreads the batches; a request never moves once placed);
-- a request meets its SLO when its TPOT is within its limit (its TTFT, zero here, always is).
+  that spreads the batches; a request never moves once placed); while every decoder runs
+  `max_num_seqs` sequences it waits, first come first served, and that wait is its TTFT;
+- a request meets its SLO when its TTFT and its TPOT are within their limits;
+- KV capacity is not counted: vLLM holds a shared prefix once, so the full context of every request
+  would overstate what a batch needs (it put sysprompt@cpx's ceiling below what `cost` measures).
 
-Its SLO capacity (the highest rate at which >= 90 % of the requests meet their TPOT limit, bisected) is
+Its SLO capacity (the highest rate at which >= 90 % of the requests meet their limits, bisected) is
 an estimate, not a proof: a router could in principle do better by holding requests back while a group
 drains (the TTFT limit allows a fraction of a second, against seconds of decoding), or by placing them
 with foresight. What it shows is how far prefill, transfer and placement are from being the limit: a
