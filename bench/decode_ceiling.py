@@ -45,7 +45,7 @@ import numpy as np
 
 from bench.clusters import Cluster
 from bench.workloads import WorkloadRequest
-from scoring.cost import decode_step_time
+from scoring.cost import Hardware, decode_step_time
 from scoring.types import Role
 
 _BISECT_STEPS = 12  # the capacity to ~0.05 % of the first bracket
@@ -63,6 +63,7 @@ class _Decoders:
     """The cluster's decoders in the replay: per backend, what it runs and what it may hold."""
 
     cluster: Cluster
+    hw: Hardware  # the cluster's, built once (`Cluster.hardware` builds it anew on every call)
     seqs_cap: np.ndarray  # vLLM's max_num_seqs (0 where the backend does not decode)
     batch: np.ndarray  # sequences running
     context: np.ndarray  # their context in tokens (each at its prompt plus half its output)
@@ -72,12 +73,12 @@ class _Decoders:
         decodes = np.array([Role.DECODE in b.spec.roles for b in cluster.backends])
         seqs = np.array([b.spec.max_num_seqs for b in cluster.backends], dtype=float)
         zeros = np.zeros(len(cluster.backends))
-        return cls(cluster, np.where(decodes, seqs, 0.0), zeros.copy(), zeros.copy())
+        return cls(cluster, cluster.hardware(), np.where(decodes, seqs, 0.0), zeros.copy(), zeros.copy())
 
     def steps(self, extra_seqs: float = 0.0, extra_context: float = 0.0) -> np.ndarray:
         c = self.cluster
         step = decode_step_time(
-            c.model, c.hardware(), np.maximum(self.batch + extra_seqs, 1.0), self.context + extra_context,
+            c.model, self.hw, np.maximum(self.batch + extra_seqs, 1.0), self.context + extra_context,
             c.efficiency,
         )  # fmt: skip
         return np.asarray(step, dtype=float)

@@ -1,4 +1,4 @@
-"""`bench.decode_ceiling`: a cluster's decoders alone, with prefill, transfer and queueing free."""
+"""`bench.decode_ceiling`: a cluster's decoders alone, with prefill and KV transfer free."""
 
 from __future__ import annotations
 
@@ -78,9 +78,7 @@ def test_the_command_prints_and_writes_each_scenarios_ceiling(
 
 def test_a_request_waits_for_a_decoder_with_room_and_its_wait_counts_against_its_ttft() -> None:
     amd = pb.cluster_named("amd")
-    one_seq = replace(
-        amd, backends=tuple(replace(b, spec=replace(b.spec, max_num_seqs=1)) for b in amd.backends)
-    )
+    one_seq = _one_seq_each(amd)
     decoders = sum(1 for b in amd.backends if Role.DECODE in b.spec.roles)
     requests = w.fixed_lengths(2 * decoders, 1024, 65, name="crowd")
     scenario = pb.Scenario("crowd", "amd", tuple(requests))
