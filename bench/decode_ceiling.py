@@ -32,30 +32,17 @@ policy at the ceiling has nothing left to win but what the arrivals allow.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import sys
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from bench.clusters import Cluster
-from bench.workloads import WorkloadRequest
+from bench.rate_search import Arrivals, ceiling_command, highest_rate
 from scoring.cost import Hardware, decode_step_time
 from scoring.types import Role
-
-_BISECT_STEPS = 12  # the capacity to ~0.05 % of the first bracket
-_ALL_AT_ONCE = 1e12  # requests/s: every request within a nanosecond
-
-
-class Arrivals(Protocol):
-    """A workload whose arrivals can be set to a rate (`bench.policies.Scenario`)."""
-
-    def at_rate(self, rate: float) -> list[WorkloadRequest]: ...
 
 
 @dataclass(slots=True)
@@ -148,47 +135,19 @@ def decode_ceiling(
     cluster: Cluster, scenario: Arrivals, limits: tuple[np.ndarray, np.ndarray], goal: float
 ) -> float:
     """The highest rate, in requests per second, at which `goal` of the scenario's requests meet their
-    `limits` (`decode_goodput`): doubled from 1 until it misses, then bisected. Infinite where they meet
-    them even all at once (too few requests to fill the decoders)."""
-    if decode_goodput(cluster, scenario, _ALL_AT_ONCE, limits) >= goal:
-        return math.inf
-    lo, hi = 0.0, 1.0
-    while decode_goodput(cluster, scenario, hi, limits) >= goal:
-        lo, hi = hi, hi * 2.0
-    for _ in range(_BISECT_STEPS):
-        mid = (lo + hi) / 2.0
-        if decode_goodput(cluster, scenario, mid, limits) >= goal:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    `limits` (`decode_goodput`); infinite where they meet them even all at once (too few requests to
+    fill the decoders)."""
+    return highest_rate(lambda rate: decode_goodput(cluster, scenario, rate, limits), goal)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.decode_ceiling", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument(
-        "--scenarios", required=True, help="comma-separated, as `hetgate bench policies` names them"
-    )
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument(
-        "--seed", type=int, default=0, help="the repetition (`hetgate bench policies --seeds`)"
-    )
-    parser.add_argument("--json", help="also write {scenario: ceiling} here")
-    args = parser.parse_args(argv)
     from bench.policies import Slo, get_scenario, scenario_decode_ceiling
 
-    ceilings = {}
-    for name in args.scenarios.split(","):
-        ceilings[name] = round(
-            scenario_decode_ceiling(get_scenario(name, args.requests, args.seed), Slo()), 3
-        )
-        print(f"{name:20s} decode ceiling {ceilings[name]:8.3f} requests/s", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ceilings, f, indent=1)
-    return 0
+    def ceiling_of(name: str, requests: int, seed: int) -> float:
+        return scenario_decode_ceiling(get_scenario(name, requests, seed), Slo())
+
+    doc = __doc__ or ""
+    return ceiling_command(argv, "python -m bench.decode_ceiling", doc, "decode ceiling", ceiling_of)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import numpy as np
 from bench import workloads as w
 from bench.clusters import CLUSTERS, Cluster, FluidBound, fluid_bound, load_cluster, slo_bound
 from bench.decode_ceiling import decode_ceiling
+from bench.prefill_ceiling import prefill_ceiling
 from bench.sim.des import DesResult, Simulation
 from bench.sim.scheduler import SchedulerCore, StepOutput
 from scoring.cost import decode_step_time, prefill_time
@@ -383,6 +384,7 @@ def _utilisation(sim: Simulation, result: DesResult) -> dict[str, float]:
 _BOUNDS: dict[tuple[str, int, int], FluidBound] = {}  # per process: (scenario, requests, seed) -> its bound
 _SLO_BOUNDS: dict[tuple[str, int, int, Slo], float] = {}  # (scenario, requests, seed, SLO) -> its SLO bound
 _DECODE_CEILINGS: dict[tuple[str, int, int, Slo], float] = {}  # the same -> its decode ceiling
+_PREFILL_CEILINGS: dict[tuple[str, int, int, Slo], float] = {}  # the same -> its prefill ceiling
 
 
 def scenario_bound(scenario: Scenario) -> FluidBound:
@@ -562,6 +564,16 @@ def scenario_decode_ceiling(scenario: Scenario, slo: Slo) -> float:
     return _DECODE_CEILINGS[key]
 
 
+def scenario_prefill_ceiling(scenario: Scenario, slo: Slo) -> float:
+    """`bench.prefill_ceiling`: the scenario's SLO capacity on its prefill alone, all else ideal."""
+    key = (scenario.name, len(scenario.requests), scenario.seed, slo)
+    if key not in _PREFILL_CEILINGS:
+        cluster = cluster_named(scenario.cluster)
+        ttft_limits, _ = slo.limits(cluster, scenario.requests)
+        _PREFILL_CEILINGS[key] = prefill_ceiling(cluster, scenario, ttft_limits, GOAL)
+    return _PREFILL_CEILINGS[key]
+
+
 def _job(args: Task) -> Row:
     name, n, rate, policy, slo, seed = args
     return run_des(get_scenario(name, n, seed), rate, policy, slo)
@@ -606,7 +618,7 @@ def _run(tasks: list[Task], jobs: int, progress: Callable[[Row], None] | None) -
 
 
 def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
-    bounds, slo_bounds, ceilings = {}, {}, {}
+    bounds, slo_bounds, ceilings, prefill_ceilings = {}, {}, {}, {}
     for name in plan.scenarios:  # over the repetitions, the mean (a trace's windows differ)
         scenarios = [get_scenario(name, plan.requests, seed) for seed in range(plan.seeds)]
         fluid = [scenario_bound(s) for s in scenarios]
@@ -617,6 +629,8 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
         slo_bounds[name] = round(float(np.mean([scenario_slo_bound(s, plan.slo) for s in scenarios])), 4)
         ceiling = float(np.mean([scenario_decode_ceiling(s, plan.slo) for s in scenarios]))
         ceilings[name] = round(ceiling, 4) if math.isfinite(ceiling) else None  # None: never decode-bound
+        ceiling = float(np.mean([scenario_prefill_ceiling(s, plan.slo) for s in scenarios]))
+        prefill_ceilings[name] = round(ceiling, 4) if math.isfinite(ceiling) else None
     return {
         "plan": {
             "scenarios": plan.scenarios,
@@ -633,6 +647,8 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
         # requests/s on the decoders alone, prefill and transfer free (`bench.decode_ceiling`): an
         # estimate that, unlike the bounds, sees requests arriving in groups
         "decode_ceiling": ceilings,
+        # requests/s on the prefill alone, decoding free (`bench.prefill_ceiling`); None as above
+        "prefill_ceiling": prefill_ceilings,
         "rows": [asdict(r) for r in rows],
         "capacity": _flag_transients(capacities(rows), slo_bounds),
     }
@@ -688,6 +704,7 @@ def print_report(data: dict[str, Any]) -> None:
     cap.add_column("cost auto/never", justify="right")
     cap.add_column("SLO bound", justify="right")
     cap.add_column("decode ceiling", justify="right")
+    cap.add_column("prefill ceiling", justify="right")
     for entry in data["capacity"]:
         spans, ratios = entry.get("capacity_range", {}), entry["ratios"]
         cells = [
@@ -705,6 +722,7 @@ def print_report(data: dict[str, Any]) -> None:
             entry["scenario"], entry["mode"], *cells, *best,
             f"{data.get('slo_bound', {}).get(entry['scenario'], float('nan')):.3g}",
             _fmt(data.get("decode_ceiling", {}).get(entry["scenario"]), ".3g"),
+            _fmt(data.get("prefill_ceiling", {}).get(entry["scenario"]), ".3g"),
         )  # fmt: skip
     console.print(cap)
     if data["plan"].get("seeds", 1) > 1:
