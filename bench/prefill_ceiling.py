@@ -11,12 +11,13 @@ A replay of the scenario at a given rate where:
 - decoding takes no time and holds up no prefill; a request is done when its prefill ends, and that is
   its TTFT;
 - every backend may prefill, decode-only ones included (they serve requests whole);
-- a prefill takes its arithmetic alone (`scoring.cost.prefill_compute_time`: no weight reads, no fixed
-  costs per step), which no batching of prompts beats; each backend prefills one prompt after another,
-  first come first served, so the first of a group is not held up by the rest, as it is in a shared step;
+- each backend prefills as vLLM schedules it: first come first served, in steps of
+  `max_num_batched_tokens` (a long prompt in chunks, short ones sharing a step, all of a step's prompts
+  done at its end), each step timed by the step formula at the benchmark's efficiency (weights read
+  once per step);
 - the prefix cache is ideal: once a prefill ends, its prompt is cached on every backend, for good (free
   transfer, no eviction), at the workload's block granularity with a partial last block included;
-- each request goes to the backend where its prefill would end first;
+- each request goes to the backend where its prefill would end first, given what is queued there;
 - a request that would miss its TTFT limit on every backend is counted as missed and costs nothing: a
   router has to serve it somewhere, so leaving it out can only raise the ceiling.
 
@@ -30,16 +31,17 @@ out of reach for the prefill a cluster can do at all.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from bench.clusters import Cluster
+from bench.clusters import MAX_NUM_BATCHED_TOKENS, Cluster
 from bench.rate_search import Arrivals, ceiling_command, highest_rate
 from bench.workloads import Prompt
-from scoring.cost import StepCoefficients
+from scoring.cost import ScalarStepTime, causal_pairs
 
 
 @dataclass(slots=True)
@@ -70,27 +72,101 @@ class _Cache:
             self.computed.setdefault(chain, []).append((ended, covered))
 
 
+@dataclass(slots=True)
+class _Queued:
+    """A prompt on a backend's prefill queue."""
+
+    index: int  # in the scenario's order
+    left: int  # tokens still to prefill
+    done: int  # tokens already in its KV (cached or prefilled in earlier chunks)
+
+
+_Step = tuple[float, float, list[_Queued]]  # a planned step: start, end, the queue left after it
+
+
+@dataclass(slots=True)
+class _Prefiller:
+    """One backend's prefill in the replay: FCFS chunked prefill, steps of `budget` tokens, each timed
+    by the step formula (`ScalarStepTime`). `queue` is what waits at `free_at`, when the last step that
+    began before the latest arrival ends; the steps after it are re-planned with every arrival, since a
+    prompt joining the last step lengthens it for the prompts already in it, as in vLLM."""
+
+    step_s: ScalarStepTime
+    budget: int
+    free_at: float = 0.0
+    queue: list[_Queued] = field(default_factory=list)
+
+    def plan(self, queue: list[_Queued], start: float) -> tuple[list[_Step], dict[int, float]]:
+        """The steps that drain `queue` from time `start` with no further arrivals, and when each
+        prompt's last chunk ends."""
+        queue = [replace(q) for q in queue]
+        steps: list[_Step] = []
+        ends: dict[int, float] = {}
+        t = start
+        while queue:
+            budget, pairs, tokens, finished = self.budget, 0.0, 0, []
+            for q in queue:
+                n = min(q.left, budget)
+                if n <= 0:
+                    break
+                pairs += float(causal_pairs(n, q.done))
+                tokens, budget = tokens + n, budget - n
+                q.left, q.done = q.left - n, q.done + n
+                if q.left == 0:
+                    finished.append(q.index)
+            end = t + self.step_s(tokens, pairs, 0, 0)
+            ends.update(dict.fromkeys(finished, end))
+            queue = [q for q in queue if q.left > 0]
+            steps.append((t, end, [replace(q) for q in queue]))  # a snapshot: later steps go on
+            t = end
+        return steps, ends
+
+    def commit(self, now: float) -> None:
+        """Fix the steps that begin before `now`: they run as planned whatever arrives later."""
+        steps, _ = self.plan(self.queue, self.free_at)
+        for start, end, left in steps:
+            if start >= now:
+                break
+            self.free_at, self.queue = end, left
+
+    def start_at(self, now: float) -> float:
+        """When a prompt arriving `now` could be in a step: the next step boundary, or now if idle."""
+        return self.free_at if self.queue else max(self.free_at, now)
+
+    def add(self, prompt: _Queued, now: float) -> None:
+        self.free_at = self.start_at(now)
+        self.queue.append(prompt)
+
+
 def prefill_goodput(cluster: Cluster, scenario: Arrivals, rate: float, ttft_limits: np.ndarray) -> float:
     """The share of the scenario's requests, arriving at `rate`, whose prefill ends within their TTFT
     limit (`ttft_limits`, per request of the scenario) on the cluster's prefill alone (module docstring)."""
     requests = scenario.at_rate(rate)
     order = np.argsort([r.arrival_s for r in requests], kind="stable")
-    coefficients = StepCoefficients.of(cluster.model, cluster.hardware(), cluster.efficiency)
-    free_at = np.zeros(len(cluster.backends))
+    hw = cluster.hardware()
+    prefillers = [
+        _Prefiller(ScalarStepTime(cluster.model, hw.row(b), cluster.efficiency), MAX_NUM_BATCHED_TOKENS)
+        for b in range(len(cluster.backends))
+    ]
     cache = _Cache()
-    met = 0
+    finish: dict[int, float] = {}  # per request placed, when its prefill ends (as last re-planned)
     for i in order:
-        request = requests[i]
+        request, now = requests[i], requests[i].arrival_s
         chains = _Cache.chains(request.prompt)
-        start = np.maximum(free_at, request.arrival_s)
-        cached = np.array([cache.cached(chains, request.prompt_len, float(t)) for t in start], dtype=float)
-        new = request.prompt_len - cached
-        ends = start + coefficients.prefill_compute(new, cached)
-        b = int(np.argmin(ends))
-        if ends[b] - request.arrival_s <= ttft_limits[i]:
-            met += 1
-            free_at[b] = ends[b]
-            cache.add(chains, request.prompt, float(ends[b]))
+        cached = cache.cached(chains, request.prompt_len, now)
+        best: tuple[float, int, dict[int, float]] = (math.inf, -1, {})
+        for b, prefiller in enumerate(prefillers):
+            prefiller.commit(now)
+            queued = [*prefiller.queue, _Queued(int(i), request.prompt_len - cached, cached)]
+            _, ends = prefiller.plan(queued, prefiller.start_at(now))
+            if ends[int(i)] < best[0]:
+                best = (ends[int(i)], b, ends)
+        end, b, ends = best
+        if end - now <= ttft_limits[i]:
+            prefillers[b].add(_Queued(int(i), request.prompt_len - cached, cached), now)
+            finish.update(ends)
+            cache.add(chains, request.prompt, end)
+    met = sum(finish[i] - requests[i].arrival_s <= ttft_limits[i] for i in finish)
     return met / len(requests)
 
 

@@ -212,11 +212,6 @@ class StepCoefficients:
         columns = (self.linear_s, self.byte_s, self.pair_s, self.kv_s, self.overhead_s, self.seq_s)
         return np.ascontiguousarray(np.stack(columns), dtype=float)
 
-    def prefill_compute(self, new_tokens: ArrayLike, cached_tokens: ArrayLike) -> np.ndarray:
-        """Seconds per backend of a prefill's arithmetic alone (`prefill_compute_time`)."""
-        pairs = causal_pairs(new_tokens, cached_tokens)
-        return np.asarray(self.linear_s * np.asarray(new_tokens, dtype=float) + self.pair_s * pairs)
-
     def __call__(
         self,
         prefill_tokens: ArrayLike,
@@ -289,19 +284,6 @@ def prefill_time(
 ) -> np.ndarray:
     """Seconds to prefill `new_tokens` after `cached_tokens` already in cache, alone, in one pass."""
     return step_time(model, hw, new_tokens, causal_pairs(new_tokens, cached_tokens), 0, 0, eff)
-
-
-def prefill_compute_time(
-    model: ModelSpec,
-    hw: Hardware,
-    new_tokens: ArrayLike,
-    cached_tokens: ArrayLike = 0,
-    eff: Efficiency = DEFAULT_EFFICIENCY,
-) -> np.ndarray:
-    """Seconds of arithmetic in prefilling `new_tokens` after `cached_tokens`: `step_time`'s GEMM and
-    attention terms alone, without its weight-read floor or its fixed costs per step. The terms add
-    over prompts, so no batching of prompts into steps prefills them faster than this."""
-    return StepCoefficients.of(model, hw, eff).prefill_compute(new_tokens, cached_tokens)
 
 
 def decode_step_time(

@@ -1,4 +1,5 @@
-"""`bench.prefill_ceiling`: a cluster's prefill alone, with decoding free and the prefix cache ideal."""
+"""`bench.prefill_ceiling`: a cluster's prefill alone, as vLLM schedules it, with decoding free and the
+prefix cache ideal."""
 
 from __future__ import annotations
 
@@ -13,36 +14,37 @@ from bench import policies as pb
 from bench import workloads as w
 from bench.prefill_ceiling import main as ceiling_main
 from bench.prefill_ceiling import prefill_goodput
-from scoring.cost import prefill_compute_time, prefill_time
+from scoring.cost import prefill_time
 
 _PROMPT = 4096
 
 
-def _compute_s(cluster_name: str, new: int = _PROMPT, cached: int = 0) -> np.ndarray:
+def _prefill_s(cluster_name: str, new: int = _PROMPT) -> np.ndarray:
+    """Per backend, one prompt of `new` tokens alone (within one step's token budget)."""
     cluster = pb.cluster_named(cluster_name)
-    return prefill_compute_time(cluster.model, cluster.hardware(), new, cached, cluster.efficiency)
+    return prefill_time(cluster.model, cluster.hardware(), new, 0, cluster.efficiency)
 
 
 def _two_at(second_s: float, shared: bool) -> pb.Scenario:
-    """Two prompts of `_PROMPT` tokens on the AMD cluster, at 0 s and `second_s` (the trace's own times:
-    `at_rate` at the pair's own rate keeps them), the same prompt twice or two different ones."""
+    """Two prompts of `_PROMPT` tokens on the AMD cluster, the same prompt twice or two different ones, at
+    0 s and `second_s` (the trace's own times: `at_rate` at the pair's own rate keeps them), or both at
+    one instant where `second_s` is 0 (a group: `bursty` arrivals)."""
     first, other = w.fixed_lengths(2, _PROMPT, 65, name="pair")
     second = replace(first if shared else other, request_id="second", arrival_s=second_s)
-    return pb.Scenario("pair", "amd", (first, second), arrivals="trace")
+    return pb.Scenario("pair", "amd", (first, second), arrivals="trace" if second_s else "bursty")
 
 
-def test_a_prompt_alone_takes_its_arithmetic_on_the_fastest_backend() -> None:
+def test_a_prompt_alone_takes_one_step_on_the_fastest_backend() -> None:
     amd = pb.cluster_named("amd")
     scenario = pb.Scenario("alone", "amd", tuple(w.fixed_lengths(1, _PROMPT, 65, name="alone")))
-    fastest = float(np.min(_compute_s("amd")))
-    assert fastest < float(np.min(prefill_time(amd.model, amd.hardware(), _PROMPT, 0, amd.efficiency)))
+    fastest = float(np.min(_prefill_s("amd")))
     assert prefill_goodput(amd, scenario, 1.0, np.array([fastest * 1.001])) == 1.0
     assert prefill_goodput(amd, scenario, 1.0, np.array([fastest * 0.999])) == 0.0
 
 
 def test_a_prompt_finds_what_an_earlier_prefill_cached_once_it_has_ended() -> None:
     amd = pb.cluster_named("amd")
-    full = float(np.min(_compute_s("amd")))
+    full = float(np.min(_prefill_s("amd")))
     limits = np.array([full * 1.001, full * 0.5])  # the second meets its limit only from the cache
     later = 2.0 * full
     assert prefill_goodput(amd, _two_at(later, shared=True), 2.0 / later, limits) == 1.0
@@ -51,10 +53,19 @@ def test_a_prompt_finds_what_an_earlier_prefill_cached_once_it_has_ended() -> No
     assert prefill_goodput(amd, _two_at(0.0, shared=True), 1e9, limits) == 0.5
 
 
+def test_prompts_that_share_a_step_all_end_with_it() -> None:
+    amd = pb.cluster_named("amd")
+    alone, together = float(np.min(_prefill_s("amd"))), float(np.min(_prefill_s("amd", 2 * _PROMPT)))
+    assert together < float(np.sort(_prefill_s("amd"))[1])  # the second joins the first's step
+    limits = np.array([alone * 1.001, together * 1.001])
+    assert prefill_goodput(amd, _two_at(0.0, shared=False), 1e9, limits) == 0.5  # the first waits for both
+    assert prefill_goodput(amd, _two_at(0.0, shared=False), 1e9, np.full(2, together * 1.001)) == 1.0
+
+
 def test_a_request_no_backend_can_serve_in_time_holds_up_no_other() -> None:
     amd = pb.cluster_named("amd")
-    fastest = float(np.min(_compute_s("amd")))
-    assert float(np.sort(_compute_s("amd"))[1]) > 1.5 * fastest  # the others are too slow for the limit
+    fastest = float(np.min(_prefill_s("amd")))
+    assert float(np.sort(_prefill_s("amd"))[1]) > 1.5 * fastest  # the others are too slow for the limit
     limits = np.array([0.0, fastest * 1.001])  # the first can never be met
     assert prefill_goodput(amd, _two_at(0.0, shared=False), 1e9, limits) == 0.5
 
@@ -85,7 +96,7 @@ def test_the_ceiling_meets_the_goal_and_half_again_does_not() -> None:
 
 
 def test_too_few_requests_to_fill_the_prefill_have_no_ceiling() -> None:
-    scenario = pb.get_scenario("sysprompt@nvidia", 30)
+    scenario = pb.get_scenario("sysprompt@nvidia", 8)
     assert pb.scenario_prefill_ceiling(scenario, pb.Slo()) == math.inf
 
 
