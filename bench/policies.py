@@ -33,7 +33,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache
@@ -650,7 +650,10 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
         # requests/s on the prefill alone, decoding free (`bench.prefill_ceiling`); None as above
         "prefill_ceiling": prefill_ceilings,
         "rows": [asdict(r) for r in rows],
-        "capacity": _flag_transients(capacities(rows), slo_bounds),
+        "capacity": _against_limits(
+            _flag_transients(capacities(rows), slo_bounds),
+            {"SLO bound": slo_bounds, "decode ceiling": ceilings, "prefill ceiling": prefill_ceilings},
+        ),
     }
 
 
@@ -661,6 +664,45 @@ def _flag_transients(entries: list[dict[str, Any]], slo_bounds: dict[str, float]
         bound = slo_bounds.get(entry["scenario"], float("inf"))
         entry["above_slo_bound"] = sorted(p for p, c in entry["capacity"].items() if c > bound)
     return entries
+
+
+AIMS = (("2x round_robin", "round_robin", 2.0), ("1.3x prefix", "prefix", 1.3))  # issue 8's capacity aims
+
+
+def _against_limits(
+    entries: list[dict[str, Any]], limits: Mapping[str, Mapping[str, float | None]]
+) -> list[dict[str, Any]]:
+    """Put each capacity aim beside the lowest of the scenario's limits (the SLO bound and the two
+    ceilings): `lowest_limit` (its name and requests/s), `cost`'s best capacity as a share of it, and
+    per aim the capacity it needs, whether `cost` has it, and that capacity as a share of the limit
+    (above 1: no router reaches it, as far as the limits tell)."""
+    for entry in entries:
+        known = {n: v[entry["scenario"]] for n, v in limits.items() if v.get(entry["scenario"]) is not None}
+        caps = entry["capacity"]
+        cost = _best(caps, "cost")
+        if not known or cost is None:
+            continue
+        name = min(known, key=lambda n: float(known[n] or math.inf))
+        lowest = float(known[name] or math.inf)
+        entry["lowest_limit"] = {"name": name, "requests_per_s": lowest}
+        entry["cost_share_of_lowest"] = round(cost / lowest, 3)
+        aims = {}
+        for aim, base, factor in AIMS:
+            baseline = _best(caps, base)
+            if baseline is not None:
+                needs = factor * baseline
+                aims[aim] = {
+                    "needs": round(needs, 4),
+                    "met": cost >= needs,
+                    "share": round(needs / lowest, 3),
+                }
+        entry["aims"] = aims
+    return entries
+
+
+def _best(caps: dict[str, float], family: str) -> float | None:
+    """The best capacity among a policy family's split settings (`cost/never`, `cost/auto`, ...)."""
+    return max((c for p, c in caps.items() if p.startswith(family + "/")), default=None)
 
 
 # --- output ---------------------------------------------------------------------------------------------
@@ -725,11 +767,34 @@ def print_report(data: dict[str, Any]) -> None:
             _fmt(data.get("prefill_ceiling", {}).get(entry["scenario"]), ".3g"),
         )  # fmt: skip
     console.print(cap)
+    _print_aims(console, data["capacity"])
     if data["plan"].get("seeds", 1) > 1:
         console.print(
             f"Means over {data['plan']['seeds']} repetitions (lowest-highest); a ratio is the mean of "
             "the ratios within each repetition."
         )
+
+
+def _print_aims(console: Any, entries: list[dict[str, Any]]) -> None:
+    """Issue 8's capacity aims beside the lowest limit (`_against_limits`)."""
+    from rich.table import Table
+
+    rows = [e for e in entries if "aims" in e]
+    if not rows:
+        return
+    table = Table(title="aims against the lowest limit (met, or what they need as a share of the limit)")
+    for col in ("scenario", "lowest limit", "cost/lowest", *(aim for aim, _, _ in AIMS)):
+        table.add_column(col, justify="left" if col == "scenario" else "right")
+    for e in rows:
+        limit = e["lowest_limit"]
+        cells = [
+            "-" if aim not in e["aims"] else "met" if e["aims"][aim]["met"]
+            else f"{e['aims'][aim]['needs']:.3g}, {e['aims'][aim]['share']:.0%}"
+            for aim, _, _ in AIMS
+        ]  # fmt: skip
+        lowest = f"{limit['requests_per_s']:.3g} ({limit['name']})"
+        table.add_row(e["scenario"], lowest, f"{e['cost_share_of_lowest']:.2f}", *cells)
+    console.print(table)
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:

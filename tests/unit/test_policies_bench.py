@@ -95,6 +95,10 @@ def test_report_has_capacities_ratios_and_bounds(
     assert set(data["prefill_ceiling"]) == names
     assert data["prefill_ceiling"]["seed"] > 0
     assert data["prefill_ceiling"]["sysprompt@nvidia"] > data["prefill_ceiling"]["seed"]
+    seed = next(e for e in data["capacity"] if e["scenario"] == "seed")
+    lowest = min(data[k]["seed"] for k in ("slo_bound", "decode_ceiling", "prefill_ceiling"))
+    assert seed["lowest_limit"]["requests_per_s"] == lowest
+    assert set(seed["aims"]) == {"2x round_robin"}  # the plan runs no prefix policy
     entry = next(e for e in data["capacity"] if e["scenario"] == "seed")
     assert set(entry["capacity"]) == set(plan.policies)
     assert "cost/round_robin (best)" in entry["ratios"]
@@ -381,3 +385,23 @@ def test_each_policys_auto_is_paired_with_its_never() -> None:
     assert entry["capacity"] == {"cost/never": 1.5, "cost/auto": 2.0}
     assert entry["ratios"]["cost auto/never"] == pytest.approx(2.0 / 1.5, abs=1e-3)
     assert entry["ratios"]["round_robin auto/never"] is None  # neither was run
+
+
+def test_each_aim_stands_beside_the_lowest_limit_of_its_scenario() -> None:
+    entry = {
+        "scenario": "s",
+        "capacity": {"round_robin/never": 1.0, "round_robin/auto": 2.0, "prefix/auto": 3.0, "cost/auto": 4.5},
+    }
+    limits = {
+        "SLO bound": {"s": 10.0},
+        "decode ceiling": {"s": None},  # never reached: not a limit
+        "prefill ceiling": {"s": 5.0},
+    }
+    (out,) = pb._against_limits([entry], limits)
+    assert out["lowest_limit"] == {"name": "prefill ceiling", "requests_per_s": 5.0}
+    assert out["cost_share_of_lowest"] == 0.9
+    assert out["aims"]["2x round_robin"] == {"needs": 4.0, "met": True, "share": 0.8}
+    assert out["aims"]["1.3x prefix"] == {"needs": 3.9, "met": True, "share": 0.78}
+    entry["capacity"] = {"round_robin/auto": 3.0, "cost/auto": 4.5}  # no prefix run: no prefix aim
+    (out,) = pb._against_limits([entry], limits)
+    assert out["aims"] == {"2x round_robin": {"needs": 6.0, "met": False, "share": 1.2}}  # above the limit
