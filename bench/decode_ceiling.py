@@ -141,13 +141,11 @@ def decode_ceiling(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.policies import Slo, get_scenario, scenario_decode_ceiling
+    from bench.policies import scenario_decode_ceiling
 
-    def ceiling_of(name: str, requests: int, seed: int) -> float:
-        return scenario_decode_ceiling(get_scenario(name, requests, seed), Slo())
-
-    doc = __doc__ or ""
-    return ceiling_command(argv, "python -m bench.decode_ceiling", doc, "decode ceiling", ceiling_of)
+    return ceiling_command(
+        argv, "python -m bench.decode_ceiling", __doc__ or "", "decode ceiling", scenario_decode_ceiling
+    )
 
 
 if __name__ == "__main__":

@@ -677,13 +677,13 @@ def _against_limits(
     per aim the capacity it needs, whether `cost` has it, and that capacity as a share of the limit
     (above 1: no router reaches it, as far as the limits tell)."""
     for entry in entries:
-        known = {n: v[entry["scenario"]] for n, v in limits.items() if v.get(entry["scenario"]) is not None}
+        known = {n: x for n, v in limits.items() if (x := v.get(entry["scenario"])) is not None}
         caps = entry["capacity"]
         cost = _best(caps, "cost")
         if not known or cost is None:
             continue
-        name = min(known, key=lambda n: float(known[n] or math.inf))
-        lowest = float(known[name] or math.inf)
+        name = min(known, key=known.__getitem__)
+        lowest = known[name]
         entry["lowest_limit"] = {"name": name, "requests_per_s": lowest}
         entry["cost_share_of_lowest"] = round(cost / lowest, 3)
         aims = {}

@@ -154,16 +154,16 @@ def prefill_goodput(cluster: Cluster, scenario: Arrivals, rate: float, ttft_limi
         request, now = requests[i], requests[i].arrival_s
         chains = _Cache.chains(request.prompt)
         cached = cache.cached(chains, request.prompt_len, now)
+        prompt = _Queued(int(i), request.prompt_len - cached, cached)  # `plan` works on copies
         best: tuple[float, int, dict[int, float]] = (math.inf, -1, {})
         for b, prefiller in enumerate(prefillers):
             prefiller.commit(now)
-            queued = [*prefiller.queue, _Queued(int(i), request.prompt_len - cached, cached)]
-            _, ends = prefiller.plan(queued, prefiller.start_at(now))
-            if ends[int(i)] < best[0]:
-                best = (ends[int(i)], b, ends)
+            _, ends = prefiller.plan([*prefiller.queue, prompt], prefiller.start_at(now))
+            if ends[prompt.index] < best[0]:
+                best = (ends[prompt.index], b, ends)
         end, b, ends = best
         if end - now <= ttft_limits[i]:
-            prefillers[b].add(_Queued(int(i), request.prompt_len - cached, cached), now)
+            prefillers[b].add(prompt, now)
             finish.update(ends)
             cache.add(chains, request.prompt, end)
     met = sum(finish[i] - requests[i].arrival_s <= ttft_limits[i] for i in finish)
@@ -178,13 +178,11 @@ def prefill_ceiling(cluster: Cluster, scenario: Arrivals, ttft_limits: np.ndarra
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.policies import Slo, get_scenario, scenario_prefill_ceiling
+    from bench.policies import scenario_prefill_ceiling
 
-    def ceiling_of(name: str, requests: int, seed: int) -> float:
-        return scenario_prefill_ceiling(get_scenario(name, requests, seed), Slo())
-
-    doc = __doc__ or ""
-    return ceiling_command(argv, "python -m bench.prefill_ceiling", doc, "prefill ceiling", ceiling_of)
+    return ceiling_command(
+        argv, "python -m bench.prefill_ceiling", __doc__ or "", "prefill ceiling", scenario_prefill_ceiling
+    )
 
 
 if __name__ == "__main__":

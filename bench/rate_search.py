@@ -8,9 +8,12 @@ import argparse
 import json
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from bench.workloads import WorkloadRequest
+
+if TYPE_CHECKING:
+    from bench.policies import Scenario, Slo
 
 _BISECT_STEPS = 12  # the capacity to ~0.05 % of the first bracket
 _ALL_AT_ONCE = 1e12  # requests/s: every request within a nanosecond
@@ -41,10 +44,13 @@ def highest_rate(goodput_at: Callable[[float], float], goal: float) -> float:
 
 
 def ceiling_command(
-    argv: Sequence[str] | None, prog: str, doc: str, what: str, ceiling_of: Callable[[str, int, int], float]
+    argv: Sequence[str] | None, prog: str, doc: str, what: str, ceiling_of: Callable[[Scenario, Slo], float]
 ) -> int:
-    """The command line of a ceiling module: `ceiling_of(scenario, requests, seed)` for each scenario
-    named, printed as `<scenario> <what> <ceiling> requests/s`, and optionally written as JSON."""
+    """The command line of a ceiling module: `ceiling_of(scenario, Slo())` (`bench.policies`'
+    `scenario_decode_ceiling` or `scenario_prefill_ceiling`) for each scenario named, printed as
+    `<scenario> <what> <ceiling> requests/s`, and optionally written as JSON."""
+    from bench.policies import Slo, get_scenario  # not at import: bench.policies imports the ceilings
+
     parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     parser.add_argument(
         "--scenarios", required=True, help="comma-separated, as `hetgate bench policies` names them"
@@ -57,7 +63,7 @@ def ceiling_command(
     args = parser.parse_args(argv)
     ceilings = {}
     for name in args.scenarios.split(","):
-        ceilings[name] = round(ceiling_of(name, args.requests, args.seed), 3)
+        ceilings[name] = round(ceiling_of(get_scenario(name, args.requests, args.seed), Slo()), 3)
         print(f"{name:20s} {what} {ceilings[name]:8.3f} requests/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
