@@ -23,7 +23,7 @@ import numpy as np
 from bench.seed_case import FITTED
 from bench.sim.des import SimBackend
 from bench.workloads import WorkloadRequest
-from gateway.config import GatewayConfig
+from gateway.config import CostKnobs, GatewayConfig
 from scoring.catalog import Catalog, ModelSpec, load_catalog
 from scoring.cost import (
     DEFAULT_EFFICIENCY,
@@ -76,6 +76,14 @@ class Cluster:
             c.model_copy(update={"roles": r}) for c, r in zip(self.config.backends, roles, strict=True)
         )
         return replace(self, backends=backends, config=self.config.model_copy(update={"backends": configs}))
+
+
+def with_calibrated_router(cluster: Cluster) -> Cluster:
+    """The same cluster, its `cost` router's roofline starting at the efficiency the simulator runs (a
+    router calibrated beforehand: `routing.cost`) instead of the cost model's defaults."""
+    cost = CostKnobs(mfu=cluster.efficiency.mfu, bw_util=cluster.efficiency.bw_util)
+    routing = cluster.config.routing.model_copy(update={"cost": cost})
+    return replace(cluster, config=cluster.config.model_copy(update={"routing": routing}))
 
 
 def load_cluster(path: str | Path, name: str | None = None, catalog: Catalog | None = None) -> Cluster:

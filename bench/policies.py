@@ -43,7 +43,15 @@ from typing import Any
 import numpy as np
 
 from bench import workloads as w
-from bench.clusters import CLUSTERS, Cluster, FluidBound, fluid_bound, load_cluster, slo_bound
+from bench.clusters import (
+    CLUSTERS,
+    Cluster,
+    FluidBound,
+    fluid_bound,
+    load_cluster,
+    slo_bound,
+    with_calibrated_router,
+)
 from bench.decode_ceiling import decode_ceiling
 from bench.prefill_ceiling import prefill_ceiling
 from bench.sim.des import DesResult, Simulation
@@ -338,10 +346,11 @@ def make_router(cluster: Cluster, policy: str) -> Router:
     return build_routers(config)[cluster.config.models[0].name]
 
 
-def run_des(scenario: Scenario, rate: float, policy: str, slo: Slo) -> Row:
+def run_des(scenario: Scenario, rate: float, policy: str, slo: Slo, calibrated_router: bool = False) -> Row:
     cluster = cluster_named(scenario.cluster)
     requests = scenario.at_rate(rate)
-    sim = _TimedSimulation(cluster.model, cluster.backends, make_router(cluster, policy), cluster.efficiency)
+    routed = with_calibrated_router(cluster) if calibrated_router else cluster
+    sim = _TimedSimulation(cluster.model, cluster.backends, make_router(routed, policy), cluster.efficiency)
     started = time.perf_counter()
     result = sim.run(requests)
     wall = time.perf_counter() - started
@@ -423,7 +432,8 @@ def _first_miss(rows: Sequence[Row]) -> tuple[list[tuple[float, float]], int | N
 
 
 REFINE_CLOSE = 1.05  # an interval narrower than this (hi/lo) is not bisected further
-Task = tuple[str, int, float, str, Slo, int]  # one point: scenario, requests, rate, policy, SLO, seed
+# One point: scenario, requests, rate, policy, SLO, seed, and whether the router starts calibrated.
+Task = tuple[str, int, float, str, Slo, int, bool]
 
 
 def refinements(plan: Plan, rows: Sequence[Row]) -> list[Task]:
@@ -434,7 +444,7 @@ def refinements(plan: Plan, rows: Sequence[Row]) -> list[Task]:
         found = crossing([r for r in rows if (r.scenario, r.policy, r.seed) == (name, policy, seed)])
         if found is not None and found[1] > REFINE_CLOSE * found[0]:
             rate = round(0.5 * (found[0] + found[1]), 4)
-            tasks.append((name, plan.requests, rate, policy, plan.slo, seed))
+            tasks.append((name, plan.requests, rate, policy, plan.slo, seed, plan.calibrated_router))
     return tasks
 
 
@@ -532,6 +542,8 @@ class Plan:
     slo_fracs: tuple[float, ...] = ()  # more rates, as fractions of each scenario's SLO bound
     refine: int = 0  # bisections of each policy's crossing interval after the grid (`refinements`)
     seeds: int = 1  # repetitions of every scenario (`workload`), each swept and refined on its own
+    # The `cost` router's roofline starts at the simulated cluster's efficiency instead of its defaults.
+    calibrated_router: bool = False
 
 
 def rates_for(plan: Plan, scenario: Scenario) -> list[float]:
@@ -575,8 +587,8 @@ def scenario_prefill_ceiling(scenario: Scenario, slo: Slo) -> float:
 
 
 def _job(args: Task) -> Row:
-    name, n, rate, policy, slo, seed = args
-    return run_des(get_scenario(name, n, seed), rate, policy, slo)
+    name, n, rate, policy, slo, seed, calibrated = args
+    return run_des(get_scenario(name, n, seed), rate, policy, slo, calibrated)
 
 
 @cache
@@ -591,7 +603,8 @@ def sweep(plan: Plan, jobs: int = 1, progress: Callable[[Row], None] | None = No
         for seed in range(plan.seeds):
             scenario = get_scenario(name, plan.requests, seed)
             for rate in rates_for(plan, scenario):
-                tasks += [(name, plan.requests, rate, policy, plan.slo, seed) for policy in plan.policies]
+                point = (name, plan.requests, rate)
+                tasks += [(*point, p, plan.slo, seed, plan.calibrated_router) for p in plan.policies]
     rows = _run(tasks, jobs, progress)
     for _ in range(plan.refine):
         more = refinements(plan, rows)
@@ -641,6 +654,7 @@ def report(plan: Plan, rows: Sequence[Row]) -> dict[str, Any]:
             "slo": asdict(plan.slo),
             "goal": GOAL,
             "seeds": plan.seeds,
+            "router_efficiency": "cluster" if plan.calibrated_router else "default",
         },
         "fluid_bound": bounds,
         "slo_bound": slo_bounds,  # requests/s: no policy's steady state serves more within the SLO
@@ -866,6 +880,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     add("--slo-ttft-s", type=float, default=None, help="TTFT limit (default: 5x the prompt's unloaded TTFT)")
     add("--slo-tpot-s", type=float, default=None, help="TPOT limit (default: 3x the unloaded TPOT)")
+    add(
+        "--router-efficiency",
+        choices=("default", "cluster"),
+        default="default",
+        help="where the cost router's roofline starts: the cost model's defaults (it learns the rest "
+        "online, as a gateway does) or the simulated cluster's own efficiency (a router calibrated "
+        "beforehand, `routing.cost` in its config); the simulator always runs the cluster's",
+    )
     add("--json", default=None, help="write rows, capacities and bounds to this file")
     add("--plot", default=None, help="draw goodput vs rate per policy (PNG)")
     add("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel simulator processes")
@@ -922,7 +944,10 @@ def plan_from(args: argparse.Namespace) -> Plan:
     refine = args.refine if args.refine is not None else (0 if args.http or args.quick else 2)
     if args.seeds < 1 or (args.http and args.seeds > 1):
         raise SystemExit("--seeds takes a count of at least 1, and more than 1 only without --http")
-    return Plan(scenarios, policies, requests, fracs, rates, slo, slo_fracs, refine, args.seeds)
+    calibrated = args.router_efficiency == "cluster"
+    if args.http and calibrated:
+        raise SystemExit("--router-efficiency cluster is for the simulator's sweeps, not --http")
+    return Plan(scenarios, policies, requests, fracs, rates, slo, slo_fracs, refine, args.seeds, calibrated)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

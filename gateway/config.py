@@ -167,6 +167,15 @@ class PrefixKnobs(_Strict):
     balance_rel_threshold: Annotated[float, Field(ge=1)] = 1.5
 
 
+class CostKnobs(_Strict):
+    """Where the `cost` policy's roofline starts (scoring/cost.py `Efficiency`; None: its defaults): the
+    share of peak FLOPS and memory bandwidth the backends reach. The policy corrects its compute
+    figures online; the default TPOT target (3x the fastest backend's unloaded step) is priced at these."""
+
+    mfu: Annotated[float, Field(gt=0, le=1)] | None = None
+    bw_util: Annotated[float, Field(gt=0, le=1)] | None = None
+
+
 class Routing(_Strict):
     policy: Policy = "least_load"
     disaggregation: Disaggregation = Disaggregation.NEVER
@@ -175,6 +184,7 @@ class Routing(_Strict):
     pd_fallback: Literal["aggregated", "fail"] = "aggregated"
     route_header: bool = True
     prefix: PrefixKnobs = PrefixKnobs()
+    cost: CostKnobs = CostKnobs()
 
 
 class IndexConfig(_Strict):

@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import BackendState, ModelPool, Registry
 from gateway.schemas import ParsedRequest, estimate_prompt_tokens
 from scoring.catalog import load_catalog
+from scoring.cost import DEFAULT_EFFICIENCY
 from scoring.cost_policy import Slo, compile_kernels
 from scoring.load import leg_load, planned_prefill_s
 from scoring.outcome import Measured, outcomes_of
@@ -92,6 +93,9 @@ def build_routers(config: GatewayConfig) -> dict[str, Router]:
             knobs = routing.prefix.model_dump()
         elif routing.policy == "cost":
             knobs = {"model": load_catalog().model(model.spec or "")}
+            prior = routing.cost.model_dump(exclude_none=True)
+            if prior:
+                knobs["efficiency"] = dataclasses.replace(DEFAULT_EFFICIENCY, **prior)
             if model.slo is not None:
                 knobs["slo"] = Slo(model.slo.ttft_s, model.slo.tpot_s)
         routers[model.name] = build_router(

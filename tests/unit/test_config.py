@@ -63,6 +63,9 @@ def test_defaults_fill_in():
         (lambda d: d.update(models=[]), "models"),
         (lambda d: d["models"][0].update(spec="llama-9"), "models[0].spec: unknown model spec 'llama-9'"),
         (lambda d: d.update(routing={"policy": "cost"}), "models[0].spec: required by routing.policy 'cost'"),
+        (lambda d: d.update(routing={"cost": {"mfu": 0}}), "routing.cost.mfu"),
+        (lambda d: d.update(routing={"cost": {"bw_util": 1.5}}), "routing.cost.bw_util"),
+        (lambda d: d.update(routing={"cost": {"efficiency": 0.5}}), "routing.cost.efficiency"),
         (lambda d: d.update(index={"redis_url": "redis://h:port"}), "index.redis_url: bad port"),
         (lambda d: d.update(index={"redis_url": "127.0.0.1:6379"}), "index.redis_url: a Redis URL starts"),
         (

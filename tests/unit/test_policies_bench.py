@@ -11,7 +11,7 @@ import pytest
 
 from bench import policies as pb
 from bench import workloads as w
-from bench.clusters import CLUSTERS, fluid_bound, load_cluster, new_tokens, slo_bound
+from bench.clusters import CLUSTERS, fluid_bound, load_cluster, new_tokens, slo_bound, with_calibrated_router
 from bench.plan import ROLE_CHOICES, assess, recommend
 from bench.plan import main as plan_main
 from gateway.cli import main as cli_main
@@ -309,7 +309,7 @@ def test_refinement_bisects_each_policys_crossing_interval() -> None:
     rows = [_row(1, 1.0), _row(2, 0.95), _row(4, 0.5), _row(8, 0.99)]  # the first miss counts, not 8
     rows += [replace(_row(r, g), policy="q") for r, g in ((1, 0.5), (2, 0.2))]
     assert pb.crossing(rows[:4]) == (2, 4)
-    assert pb.refinements(plan, rows) == [("s", 20, 3.0, "p", plan.slo, 0)]
+    assert pb.refinements(plan, rows) == [("s", 20, 3.0, "p", plan.slo, 0, False)]
     assert pb.refinements(plan, [_row(1, 1.0), _row(1.04, 0.5)]) == []
     assert pb.refinements(plan, [_row(1, 1.0), _row(2, 0.95)]) == []
 
@@ -405,3 +405,48 @@ def test_each_aim_stands_beside_the_lowest_limit_of_its_scenario() -> None:
     entry["capacity"] = {"round_robin/auto": 3.0, "cost/auto": 4.5}  # no prefix run: no prefix aim
     (out,) = pb._against_limits([entry], limits)
     assert out["aims"] == {"2x round_robin": {"needs": 6.0, "met": False, "share": 1.2}}  # above the limit
+
+
+def test_a_calibrated_router_predicts_its_first_request_as_the_simulator_runs_it() -> None:
+    """`--router-efficiency cluster`: the cost router's roofline starts at the simulated cluster's
+    efficiency (the AMD cluster's is fitted, far from the defaults), so its first, unqueued request is
+    predicted exactly; the default router's is not, until it has learnt."""
+    cluster = pb.cluster_named("amd")
+    calibrated = with_calibrated_router(cluster)
+    assert (calibrated.config.routing.cost.mfu, calibrated.config.routing.cost.bw_util) == (
+        cluster.efficiency.mfu,
+        cluster.efficiency.bw_util,
+    )
+    first = pb.get_scenario("azure-code@amd", 5, 0).at_rate(0.01)
+    errors = []
+    for routed in (cluster, calibrated):
+        router = pb.make_router(routed, "cost/auto")
+        record = (
+            pb._TimedSimulation(cluster.model, cluster.backends, router, cluster.efficiency)
+            .run(first)
+            .records[0]
+        )
+        errors.append(record.ttft_s / record.predicted_ttft_s)
+    assert errors[1] == pytest.approx(1.0, abs=0.01)
+    assert errors[0] > 1.5
+
+
+def test_the_router_efficiency_reaches_every_point_of_the_sweep(monkeypatch) -> None:
+    seen: list[float | None] = []
+    make_router = pb.make_router
+
+    def spy(cluster, policy):
+        seen.append(cluster.config.routing.cost.mfu)
+        return make_router(cluster, policy)
+
+    monkeypatch.setattr(pb, "make_router", spy)
+    argv = "--scenarios seed --requests 8 --rates 0.2 --policies cost/auto --router-efficiency cluster"
+    plan = pb.plan_from(pb.parse_args(argv.split()))
+    assert plan.calibrated_router
+    pb.sweep(plan)
+    assert seen and set(seen) == {pb.cluster_named("amd").efficiency.mfu}
+    seen.clear()
+    pb.sweep(replace(plan, calibrated_router=False))
+    assert seen and set(seen) == {None}
+    with pytest.raises(SystemExit):
+        pb.plan_from(pb.parse_args(["--http", "--router-efficiency", "cluster"]))

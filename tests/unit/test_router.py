@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from gateway.config import GatewayConfig
 from gateway.decision import build_routers
 from scoring.catalog import load_catalog
+from scoring.cost import DEFAULT_EFFICIENCY
+from scoring.cost_policy import CostRanker
 from scoring.router import LeastLoad, Rotation, RoundRobin, build_router
 from scoring.types import BackendSpec, BackendStats, Candidates, Mode, RequestFeatures, Role
 
@@ -116,6 +120,28 @@ def test_the_split_gate_is_the_policys_own_unless_configured(policy, configured,
     )
     assert build_routers(config)["m"].split.pd_min_prompt_tokens == gate
     assert build_router(policy, "auto", configured, **knobs).split.pd_min_prompt_tokens == gate
+
+
+@pytest.mark.parametrize("prior", [{}, {"mfu": 0.2}, {"mfu": 0.2, "bw_util": 0.3}])
+def test_the_cost_models_starting_efficiency_is_routing_cost(prior):
+    config = GatewayConfig.model_validate(
+        {
+            "models": [{"name": "m", "spec": "llama-3.1-70b"}],
+            "backends": [{"id": "b", "url": "http://127.0.0.1:9", "model": "m", "accelerator": "h100-sxm"}],
+            "routing": {"policy": "cost", "cost": prior},
+        }
+    )
+    ranker = build_routers(config)["m"].ranker
+    assert isinstance(ranker, CostRanker)
+    assert ranker.efficiency == dataclasses.replace(DEFAULT_EFFICIENCY, **prior)
+    # What it prices with: an unmeasured backend's prefill takes longer at a lower share of peak FLOPS.
+    spec = BackendSpec("b", "m", "h100-sxm", 8, BOTH)
+    prompt, idle = RequestFeatures("m", 8192, 16), Candidates.build((spec,), (BackendStats(),))
+    ttft = ranker.predicted_ttft(prompt, idle)
+    default = build_router("cost", model=load_catalog().model("llama-3.1-70b")).ranker
+    assert isinstance(default, CostRanker)
+    default_ttft = default.predicted_ttft(prompt, idle)
+    assert (ttft[0] > 1.5 * default_ttft[0]) == ("mfu" in prior)
 
 
 def test_aggregated_prefers_decode_role_over_prefill_only():
