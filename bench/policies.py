@@ -444,7 +444,7 @@ def refinements(plan: Plan, rows: Sequence[Row]) -> list[Task]:
         found = crossing([r for r in rows if (r.scenario, r.policy, r.seed) == (name, policy, seed)])
         if found is not None and found[1] > REFINE_CLOSE * found[0]:
             rate = round(0.5 * (found[0] + found[1]), 4)
-            tasks.append((name, plan.requests, rate, policy, plan.slo, seed, plan.calibrated_router))
+            tasks.append(plan.task(name, rate, policy, seed))
     return tasks
 
 
@@ -545,6 +545,10 @@ class Plan:
     # The `cost` router's roofline starts at the simulated cluster's efficiency instead of its defaults.
     calibrated_router: bool = False
 
+    def task(self, scenario: str, rate: float, policy: str, seed: int) -> Task:
+        """One point of this plan, as a simulator process runs it (`_job`)."""
+        return (scenario, self.requests, rate, policy, self.slo, seed, self.calibrated_router)
+
 
 def rates_for(plan: Plan, scenario: Scenario) -> list[float]:
     if plan.rates:
@@ -603,8 +607,7 @@ def sweep(plan: Plan, jobs: int = 1, progress: Callable[[Row], None] | None = No
         for seed in range(plan.seeds):
             scenario = get_scenario(name, plan.requests, seed)
             for rate in rates_for(plan, scenario):
-                point = (name, plan.requests, rate)
-                tasks += [(*point, p, plan.slo, seed, plan.calibrated_router) for p in plan.policies]
+                tasks += [plan.task(name, rate, policy, seed) for policy in plan.policies]
     rows = _run(tasks, jobs, progress)
     for _ in range(plan.refine):
         more = refinements(plan, rows)
