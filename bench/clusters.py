@@ -180,6 +180,16 @@ _BATCHES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _CHUNKS = (0, 256, 512, 1024, 2048, 4096, 8192)
 
 
+@dataclass(frozen=True, slots=True)
+class SloPlan:
+    """The SLO bound and one plan that reaches it (`slo_plan`): per backend, its share of the served
+    requests' prefills and of their decodes. An LP's optimum need not be unique; this is the solver's."""
+
+    requests_per_s: float
+    prefills: dict[str, float]
+    decodes: dict[str, float]
+
+
 def slo_bound(
     cluster: Cluster,
     requests: Sequence[WorkloadRequest],
@@ -187,8 +197,20 @@ def slo_bound(
     tpot_limits: np.ndarray,
     goal: float = 0.9,
 ) -> float:
+    """`slo_plan`'s rate."""
+    return slo_plan(cluster, requests, ttft_limits, tpot_limits, goal).requests_per_s
+
+
+def slo_plan(
+    cluster: Cluster,
+    requests: Sequence[WorkloadRequest],
+    ttft_limits: np.ndarray,
+    tpot_limits: np.ndarray,
+    goal: float = 0.9,
+) -> SloPlan:
     """The most requests per second any policy could serve with `goal` of them within their SLO: a fluid
-    LP of vLLM's chunked-prefill steps under the SLO, so no policy's steady-state SLO capacity exceeds it.
+    LP of vLLM's chunked-prefill steps under the SLO, so no policy's steady-state SLO capacity exceeds it;
+    and where that plan prefills and decodes them.
 
     Each backend spends shares of its time on step shapes (a decode batch of b sequences, a prefill chunk
     of c tokens, both at once as vLLM mixes them), each timed by `scoring.cost.step_time`. Constraints:
@@ -273,7 +295,15 @@ def slo_bound(
     lp = linprog(
         cost, A_ub=np.vstack(ub_rows), b_ub=np.array(ub), A_eq=decoded[None, :], b_eq=[0.0], bounds=bounds
     )
-    return max(float(lp.x[-1]), 0.0) if lp.status == 0 else 0.0
+    if lp.status != 0 or lp.x[-1] <= 0:
+        return SloPlan(0.0, dict.fromkeys(cluster.ids, 0.0), dict.fromkeys(cluster.ids, 0.0))
+    prefills = np.clip([lp.x[i:nx:n].sum() for i in range(n)], 0.0, None)  # -0.0 and the like
+    decodes = np.clip(lp.x[nx : nx + n], 0.0, None)
+    return SloPlan(
+        float(lp.x[-1]),
+        {i: float(x) for i, x in zip(cluster.ids, prefills / prefills.sum(), strict=True)},
+        {i: float(x) for i, x in zip(cluster.ids, decodes / decodes.sum(), strict=True)},
+    )
 
 
 def _step_shapes(

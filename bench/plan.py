@@ -7,7 +7,8 @@ discrete-event simulator (the real router, `--policy`, default cost/auto) at fra
 and each gets an SLO capacity: the highest request rate at which >= 90 % of requests meet the SLO
 (defaults as in `hetgate bench policies`). The recommendation is the assignment with the highest SLO
 capacity (then the highest throughput); the table shows, per assignment, the predicted goodput (output
-tokens/s within the SLO), throughput at the highest rate tried and the bounds beside them.
+tokens/s within the SLO), throughput at the highest rate tried and the bounds beside them; below it,
+where the recommended assignment's SLO bound prefills and decodes the requests (`slo_plan`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import itertools
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from bench import workloads as w
-from bench.clusters import Cluster, fluid_bound, load_cluster, slo_bound
+from bench.clusters import Cluster, fluid_bound, load_cluster, slo_plan
 from bench.policies import (
     GOAL,
     SLO_RATE_FRACS,
@@ -53,6 +54,10 @@ class Assessment:
     bound_requests_per_s: float
     bound_output_tok_per_s: float
     slo_bound_requests_per_s: float = 0.0  # no policy's steady state serves more within the SLO
+    # One plan that reaches the SLO bound: each backend's share of the requests' prefills and decodes
+    # (`bench.clusters.SloPlan`).
+    slo_bound_prefills: dict[str, float] = field(default_factory=dict)
+    slo_bound_decodes: dict[str, float] = field(default_factory=dict)
     slo_capacity_requests_per_s: float = 0.0
     capacity_censored: bool = False
     goodput_output_tok_per_s: float = 0.0  # output tokens/s of the requests that met the SLO, at capacity
@@ -94,7 +99,9 @@ def assess(
         bound = fluid_bound(candidate, requests)
         names = {b.spec.id: role_name(r) for b, r in zip(cluster.backends, roles, strict=True)}
         assessment = Assessment(names, bound.requests_per_s, bound.output_tok_per_s, current=roles == now)
-        assessment.slo_bound_requests_per_s = slo_bound(candidate, requests, ttft, tpot, GOAL)
+        at_bound = slo_plan(candidate, requests, ttft, tpot, GOAL)
+        assessment.slo_bound_requests_per_s = at_bound.requests_per_s
+        assessment.slo_bound_prefills, assessment.slo_bound_decodes = at_bound.prefills, at_bound.decodes
         scored.append((candidate, assessment))
     # Ties in bound (a backend given both roles is never bounded lower) go to fewer roles: simpler to run.
     scored.sort(
@@ -185,6 +192,7 @@ def print_plan(config: str, assessed: Sequence[Assessment], best: Assessment, sh
     console.print(table)
     roles = ", ".join(f"{b}: {r}" for b, r in best.roles.items())
     console.print(f"[bold]recommended roles[/bold]: {roles}")
+    console.print(f"at its SLO bound, one plan {_shares(best)}")
     console.print(
         f"predicted: SLO capacity {best.slo_capacity_requests_per_s:.3g} requests/s"
         f"{' (at least: never missed)' if best.capacity_censored else ''}, goodput "
@@ -193,6 +201,15 @@ def print_plan(config: str, assessed: Sequence[Assessment], best: Assessment, sh
         f"{best.slo_bound_requests_per_s:.3g} requests/s; fluid bound "
         f"{best.bound_output_tok_per_s:.0f} tok/s ({best.bound_requests_per_s:.3g} requests/s)"
     )
+
+
+def _shares(a: Assessment) -> str:
+    """Where the SLO bound's plan prefills and decodes, as shares of the requests served."""
+
+    def listed(shares: dict[str, float]) -> str:
+        return ", ".join(f"{b} {share:.0%}" for b, share in shares.items())
+
+    return f"prefills on {listed(a.slo_bound_prefills)}; decodes on {listed(a.slo_bound_decodes)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,15 @@ import pytest
 
 from bench import policies as pb
 from bench import workloads as w
-from bench.clusters import CLUSTERS, fluid_bound, load_cluster, new_tokens, slo_bound, with_calibrated_router
+from bench.clusters import (
+    CLUSTERS,
+    fluid_bound,
+    load_cluster,
+    new_tokens,
+    slo_bound,
+    slo_plan,
+    with_calibrated_router,
+)
 from bench.plan import ROLE_CHOICES, assess, recommend
 from bench.plan import main as plan_main
 from gateway.cli import main as cli_main
@@ -216,6 +224,28 @@ def test_slo_bound_follows_the_limits() -> None:
     assert slo_bound(cluster, requests, ttft, tpot * 0.01) == 0.0
 
 
+def test_the_slo_bounds_plan_says_where_requests_prefill_and_decode() -> None:
+    cluster = load_cluster(CLUSTERS["amd"], "amd")
+    requests = w.fixed_lengths(20, 4096, 128)
+    ttft, tpot = pb.Slo().limits(cluster, requests)
+    plan = slo_plan(cluster, requests, ttft, tpot)
+    assert plan.requests_per_s == slo_bound(cluster, requests, ttft, tpot) > 0
+    assert sum(plan.prefills.values()) == pytest.approx(1.0)
+    assert sum(plan.decodes.values()) == pytest.approx(1.0)
+    # Only the MI300X meets the default TTFT (see the test above), so it prefills every request; the
+    # decode-only MI308X servers prefill nobody's but their own.
+    assert plan.prefills["mi300x-0"] == pytest.approx(1.0)
+    assert all(plan.prefills[b] <= plan.decodes[b] + 1e-9 for b in ("mi308x-0", "mi308x-1"))
+    # A prefill-only backend decodes nothing; the decoders then take every request.
+    roles = [ROLE_CHOICES["prefill"], ROLE_CHOICES["decode"], ROLE_CHOICES["decode"]]
+    split = slo_plan(cluster.with_roles(roles), requests, ttft, tpot)
+    assert split.requests_per_s > 0 and split.decodes["mi300x-0"] == 0.0
+    assert split.decodes["mi308x-0"] + split.decodes["mi308x-1"] == pytest.approx(1.0)
+    # Nothing served within the SLO: no plan, no shares.
+    none = slo_plan(cluster, requests, ttft * 0.01, tpot)
+    assert none.requests_per_s == 0.0 and not any(none.prefills.values()) and not any(none.decodes.values())
+
+
 def test_bursty_arrivals_come_in_groups_at_the_mean_rate() -> None:
     requests = w.with_bursty_arrivals(w.fixed_lengths(800, 64, 4), rate=10.0, burst_size=8, seed=3)
     arrivals = np.array([r.arrival_s for r in requests])
@@ -276,7 +306,10 @@ def test_plan_command_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert code == 0
     data = json.loads(out.read_text())
     assert set(data["recommended"]["roles"]) == {"b200-0", "h100-0", "h100-1"}
-    assert "recommended roles" in capsys.readouterr().out
+    decodes = data["recommended"]["slo_bound_decodes"]
+    assert set(decodes) == {"b200-0", "h100-0", "h100-1"} and sum(decodes.values()) == pytest.approx(1.0)
+    out = capsys.readouterr().out
+    assert "recommended roles" in out and "at its SLO bound, one plan prefills on b200-0" in out
 
 
 def test_cli_registers_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
