@@ -37,6 +37,7 @@ __all__ = [
     "VllmServer",
     "default_venv",
     "free_port",
+    "log_tail",
     "nixl_spec",
     "start_all",
     "tiny_model_dir",
