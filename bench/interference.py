@@ -35,7 +35,15 @@ import aiohttp
 from bench.fidelity import Stream, gaps_overlapping, stream_completion
 from bench.fidelity_workload import prompt_ids
 from bench.harness import GatewayProcess
-from bench.vllm_server import SERVED_MODEL_NAME, SETUP_HINT, VllmServer, nixl_spec, start_all, tiny_model_dir
+from bench.vllm_server import (
+    SERVED_MODEL_NAME,
+    SETUP_HINT,
+    VllmServer,
+    make_first_handshake,
+    nixl_spec,
+    start_all,
+    tiny_model_dir,
+)
 
 MODES = {"colocated": "never", "pd": "always"}
 
@@ -100,6 +108,12 @@ def start_pair(log_dir: Path) -> tuple[VllmServer, VllmServer]:
     )
     prefill, decode = (VllmServer(spec=spec, model_dir=model_dir, log_dir=log_dir) for spec in specs)
     start_all([prefill, decode])  # stops both if either fails
+    try:
+        make_first_handshake(prefill, decode)
+    except BaseException:
+        prefill.stop()
+        decode.stop()
+        raise
     return prefill, decode
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "default_venv",
     "free_port",
     "log_tail",
+    "make_first_handshake",
     "nixl_spec",
     "start_all",
     "tiny_model_dir",
@@ -178,6 +179,10 @@ def nixl_spec(name: str, role: str, core: str) -> ServerSpec:
         role, connector="NixlConnector", buffer_device="cpu", extra_config=tuple(NIXL_EXTRA_CONFIG.items())
     )
     return ServerSpec(name, kv_transfer=transfer, omp_threads_bind=core, extra_args=NIXL_ARGS, extra_env=env)
+
+
+# Past the prefiller's 120 s lease, which ended both first-handshake stalls seen in CI (docs/e2e.md).
+FIRST_HANDSHAKE_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -435,3 +440,24 @@ def start_all(servers: Iterable[VllmServer], timeout_s: float = STARTUP_TIMEOUT_
         for server in servers:
             server.stop()
         raise
+
+
+def make_first_handshake(prefill: VllmServer, decode: VllmServer) -> None:
+    """One P/D request straight to a freshly started NIXL pair, so that what follows starts with the
+    pair's handshake made. Twice in CI (stops 43 and 45) the first decode of a fresh pair stalled in the
+    handshake: the decoder's log says "Transfer plan", then its EngineCore finds the worker silent for
+    60 s, and the pull completes only once the prefiller's 120 s lease has ended (docs/e2e.md). That
+    stall is vLLM's and NIXL's, and it is not what the tests and benches measure."""
+    body = {"model": SERVED_MODEL_NAME, "prompt": "A NIXL handshake, made before the rest.", "max_tokens": 1}
+    prefill_leg = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+    with httpx.Client(timeout=FIRST_HANDSHAKE_TIMEOUT_S) as http:
+        prefilled = http.post(f"{prefill.base_url}/v1/completions", json=prefill_leg)
+        if prefilled.status_code != 200:
+            raise ServerStartError(f"{prefill.spec.name}'s prefill for the handshake: {prefilled.text}")
+        decode_leg = {**body, "kv_transfer_params": prefilled.json()["kv_transfer_params"]}
+        decoded = http.post(f"{decode.base_url}/v1/completions", json=decode_leg)
+    if decoded.status_code != 200:
+        raise ServerStartError(
+            f"{decode.spec.name}'s first decode failed: {decoded.text}; log {decode.log_path}:\n"
+            f"{log_tail(decode.log_path)}"
+        )

@@ -32,7 +32,15 @@ from e2e_helpers import (
     route_fields,
     run_conformance_suite,
 )
-from vllm_server import SETUP_HINT, ServerSpec, VllmFleet, VllmServer, log_tail, nixl_spec
+from vllm_server import (
+    SETUP_HINT,
+    ServerSpec,
+    VllmFleet,
+    VllmServer,
+    log_tail,
+    make_first_handshake,
+    nixl_spec,
+)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -53,9 +61,9 @@ def nixl_specs(vllm_venv: Path) -> tuple[ServerSpec, ServerSpec]:
     )
 
 
-# (prefiller pid, decoder pid) of each pair whose first NIXL handshake is made
+# (prefiller pid, decoder pid) of each pair whose first NIXL handshake is made: the tests of hetgate
+# start on a pair past it (`make_first_handshake`, docs/e2e.md)
 _HANDSHAKEN: set[tuple[int, int]] = set()
-HANDSHAKE_TIMEOUT_S = 300  # past the prefiller's 120 s lease, which ended both stalls seen in CI
 
 
 @pytest.fixture
@@ -71,22 +79,6 @@ def nixl_servers(vllm_fleet: VllmFleet, nixl_specs: tuple[ServerSpec, ServerSpec
 def process_id(server: VllmServer) -> int:
     assert server.process is not None, f"{server.spec.name} is not running"
     return server.process.pid
-
-
-def make_first_handshake(prefill: VllmServer, decode: VllmServer) -> None:
-    """One P/D request straight to a freshly started pair, so that the tests start with the pair's
-    NIXL handshake made. Twice in CI (stops 43 and 45) the first decode of a fresh pair stalled in the
-    handshake: the decoder's log says "Transfer plan", then its EngineCore finds the worker silent for
-    60 s, and the pull completes only once the prefiller's 120 s lease has ended (docs/e2e.md). That
-    stall is vLLM's and NIXL's; hetgate met it as it should (a decode-leg timeout, then a fallback)."""
-    body = {"model": "tiny", "prompt": "A NIXL handshake, made before the tests.", "max_tokens": 1}
-    with httpx.Client(timeout=HANDSHAKE_TIMEOUT_S) as http:
-        prefill_leg = {**body, "kv_transfer_params": {"do_remote_decode": True}}
-        prefilled = http.post(f"{prefill.base_url}/v1/completions", json=prefill_leg)
-        assert prefilled.status_code == 200, prefilled.text
-        params = prefilled.json()["kv_transfer_params"]
-        decoded = http.post(f"{decode.base_url}/v1/completions", json={**body, "kv_transfer_params": params})
-    assert decoded.status_code == 200, (decoded.text, log_tail(decode.log_path))
 
 
 def decode_counters(decode: VllmServer) -> tuple[float, float, float]:
