@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -41,6 +43,8 @@ from vllm_server import (
     make_first_handshake,
     nixl_spec,
 )
+
+from bench.harness import GatewayProcess
 
 pytestmark = [pytest.mark.e2e]
 
@@ -96,15 +100,25 @@ def aggregated_completion(server: VllmServer, body: dict) -> dict:
     return response.json()
 
 
-def test_nixl_pd_through_hetgate_pulls_the_kv_instead_of_recomputing(
-    nixl_servers: list[VllmServer], start_gateway
-) -> None:
-    prefill, decode = nixl_servers
+def start_pd_gateway(
+    start_gateway: Callable[[dict[str, Any], str], GatewayProcess],
+    prefill: VllmServer,
+    decode: VllmServer,
+    name: str,
+) -> GatewayProcess:
+    """hetgate in front of the pair, splitting every request: prefill on one, decode on the other."""
     backends = [
         backend_entry(prefill, roles=["prefill"], kv_connector="nixl"),
         backend_entry(decode, roles=["decode"], kv_connector="nixl"),
     ]
-    gateway = start_gateway(gateway_config(backends, disaggregation="always"), "pd-nixl")
+    return start_gateway(gateway_config(backends, disaggregation="always"), name)
+
+
+def test_nixl_pd_through_hetgate_pulls_the_kv_instead_of_recomputing(
+    nixl_servers: list[VllmServer], start_gateway
+) -> None:
+    prefill, decode = nixl_servers
+    gateway = start_pd_gateway(start_gateway, prefill, decode, "pd-nixl")
     body = {"model": "tiny", "prompt": code_prompt(12), "max_tokens": MAX_TOKENS, "temperature": 0}
     pulled_before, computed_before, failed_before = decode_counters(decode)
 
@@ -131,11 +145,7 @@ def test_nixl_pd_streamed_chat_matches_aggregated_greedy_output(
     nixl_servers: list[VllmServer], start_gateway
 ) -> None:
     prefill, decode = nixl_servers
-    backends = [
-        backend_entry(prefill, roles=["prefill"], kv_connector="nixl"),
-        backend_entry(decode, roles=["decode"], kv_connector="nixl"),
-    ]
-    gateway = start_gateway(gateway_config(backends, disaggregation="always"), "pd-nixl-chat")
+    gateway = start_pd_gateway(start_gateway, prefill, decode, "pd-nixl-chat")
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": code_prompt(12)}],
