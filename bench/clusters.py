@@ -29,11 +29,10 @@ from scoring.cost import (
     DEFAULT_EFFICIENCY,
     Efficiency,
     Hardware,
-    causal_pairs,
     kv_capacity_tokens,
-    prefill_time,
     step_time,
 )
+from scoring.slo_plan import Servers, Traffic, solve_slo_plan
 from scoring.types import BackendSpec, Role
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -176,8 +175,6 @@ def fluid_bound(cluster: Cluster, requests: Sequence[WorkloadRequest]) -> FluidB
 
 
 # --- the SLO bound ----------------------------------------------------------------------------------------
-_BATCHES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-_CHUNKS = (0, 256, 512, 1024, 2048, 4096, 8192)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,128 +205,32 @@ def slo_plan(
     tpot_limits: np.ndarray,
     goal: float = 0.9,
 ) -> SloPlan:
-    """The most requests per second any policy could serve with `goal` of them within their SLO: a fluid
-    LP of vLLM's chunked-prefill steps under the SLO, so no policy's steady-state SLO capacity exceeds it;
-    and where that plan prefills and decodes them.
-
-    Each backend spends shares of its time on step shapes (a decode batch of b sequences, a prefill chunk
-    of c tokens, both at once as vLLM mixes them), each timed by `scoring.cost.step_time`. Constraints:
-    - a request prefills only where its unloaded TTFT (ideal prefix cache, no queue) meets its limit;
-    - the steps a backend's decoded tokens ride average at most the `goal` quantile of the TPOT limits
-      (per token, so a large batch counts as many times as it has sequences): prefill chunks in those
-      steps stretch every decode's TPOT (vLLM's chunked prefill), so a backend that prefills a lot
-      decodes little within the SLO;
-    - up to 1 - `goal` of the requests may miss, and they cost nothing.
-    Optimistic (no queueing, time shared freely between step shapes, KV transfer free, the mean context
-    and prompt per token), like the fluid bound."""
-    from scipy.optimize import linprog
-
-    hw, model, eff = cluster.hardware(), cluster.model, cluster.efficiency
-    n = len(cluster.backends)
+    """The most requests per second any policy could serve with `goal` of them within their SLO, and where
+    that plan prefills and decodes them: `scoring.slo_plan`'s LP over the whole workload, each request's
+    cached tokens those of an ideal cluster-wide prefix cache (`new_tokens`)."""
     new, cached = new_tokens(requests)
-    outputs = float(np.mean([r.max_tokens for r in requests]))
-    can_p = np.array([Role.PREFILL in b.spec.roles for b in cluster.backends])
-    can_d = np.array([Role.DECODE in b.spec.roles for b in cluster.backends])
-    # A decode-only backend prefills the requests it serves whole.
-    unloaded = np.asarray(prefill_time(model, hw, new[:, None], cached[:, None], eff))
-    ttft_ok = (unloaded <= ttft_limits[:, None]) & (can_p | can_d)
-    # Requests with the same TTFT-feasible backends form one group: x[g, i] = group g's prefills on i.
-    groups, member = np.unique(ttft_ok, axis=0, return_inverse=True)
-    member = member.ravel()
-    share = np.bincount(member, minlength=len(groups)) / len(requests)
-    group_new = np.array([new[member == g].mean() for g in range(len(groups))])
-    shapes = _step_shapes(cluster, requests, new, cached, outputs)  # per backend: (b, c, seconds)
-    lenient = float(np.quantile(tpot_limits, goal))
-    # Variables: x (groups x backends), d (decodes/s per backend), y (time share per backend and shape), rate.
-    nx = len(groups) * n
-    counts = [len(seconds) for _, _, seconds in shapes]
-    y_at = np.cumsum([0, *counts])[:-1] + nx + n
-    size = nx + n + sum(counts) + 1
-    ub_rows: list[np.ndarray] = []
-    ub: list[float] = []
-
-    def row() -> np.ndarray:
-        return np.zeros(size)
-
-    for i, (batch, chunk, seconds) in enumerate(shapes):
-        ys = slice(y_at[i], y_at[i] + len(seconds))
-        time_row = row()
-        time_row[ys] = 1.0
-        ub_rows.append(time_row)  # its time
-        ub.append(1.0)
-        prefill = row()  # the prompt tokens it prefills fit in its steps' chunks
-        prefill[i:nx:n] = group_new
-        prefill[ys] = -chunk / seconds
-        ub_rows.append(prefill)
-        ub.append(0.0)
-        decode = row()  # the tokens it decodes fit in its steps' batches
-        decode[nx + i] = outputs
-        decode[ys] = -batch / seconds
-        ub_rows.append(decode)
-        ub.append(0.0)
-        tpot = row()  # its decoded tokens' mean step time within the limit: sum(tokens x (step - limit)) <= 0
-        tpot[ys] = batch * (1.0 - lenient / seconds)
-        ub_rows.append(tpot)
-        ub.append(0.0)
-        if can_d[i] and not can_p[i]:  # prefills only what it decodes itself
-            own = row()
-            own[i:nx:n], own[nx + i] = 1.0, -1.0
-            ub_rows.append(own)
-            ub.append(0.0)
-    for g in range(len(groups)):  # a group is served at most at its arrival rate
-        served_g = row()
-        served_g[g * n : (g + 1) * n], served_g[-1] = 1.0, -share[g]
-        ub_rows.append(served_g)
-        ub.append(0.0)
-    served = row()  # at least `goal` of the arrivals served
-    served[:nx], served[-1] = -1.0, goal
-    ub_rows.append(served)
-    ub.append(0.0)
-    decoded = row()  # every served request decoded somewhere
-    decoded[:nx], decoded[nx : nx + n] = 1.0, -1.0
-    bounds = [(0.0, None if groups[g, i] else 0.0) for g in range(len(groups)) for i in range(n)]
-    bounds += [(0.0, None if ok else 0.0) for ok in can_d]
-    bounds += [(0.0, None)] * (size - nx - n)
-    cost = row()
-    cost[-1] = -1.0
-    lp = linprog(
-        cost, A_ub=np.vstack(ub_rows), b_ub=np.array(ub), A_eq=decoded[None, :], b_eq=[0.0], bounds=bounds
+    traffic = Traffic(
+        new + cached,
+        cached,
+        np.array([r.max_tokens for r in requests], dtype=float),
+        ttft_limits,
+        tpot_limits,
     )
-    if lp.status != 0 or lp.x[-1] <= 0:
-        return SloPlan(0.0, dict.fromkeys(cluster.ids, 0.0), dict.fromkeys(cluster.ids, 0.0))
-    prefills = np.clip([lp.x[i:nx:n].sum() for i in range(n)], 0.0, None)  # -0.0 and the like
-    decodes = np.clip(lp.x[nx : nx + n], 0.0, None)
+    plan = solve_slo_plan(plan_servers(cluster), traffic, goal)
     return SloPlan(
-        float(lp.x[-1]),
-        {i: float(x) for i, x in zip(cluster.ids, prefills / prefills.sum(), strict=True)},
-        {i: float(x) for i, x in zip(cluster.ids, decodes / decodes.sum(), strict=True)},
+        plan.requests_per_s,
+        {i: float(x) for i, x in zip(cluster.ids, plan.prefills, strict=True)},
+        {i: float(x) for i, x in zip(cluster.ids, plan.decodes, strict=True)},
     )
 
 
-def _step_shapes(
-    cluster: Cluster,
-    requests: Sequence[WorkloadRequest],
-    new: np.ndarray,
-    cached: np.ndarray,
-    outputs: float,
-) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per backend, the step shapes it may run: (decode batch, prefill chunk tokens, seconds) arrays.
-    Batches up to what its KV cache and max_num_seqs hold at the mean context; a chunk's attention at the
-    workload's mean (query, key) pairs per prompt token; the empty shape (0, 0) left out."""
-    hw, model, eff = cluster.hardware(), cluster.model, cluster.efficiency
-    context = float(np.mean([r.prompt_len for r in requests]) + outputs / 2)
-    pairs_per_token = float(np.sum(causal_pairs(new, cached)) / max(new.sum(), 1.0))
-    most = np.array([b.spec.max_num_seqs for b in cluster.backends], dtype=float)
-    most = np.minimum(most, kv_capacity_tokens(model, hw, eff) // context)
-    grid = [(b, c) for b in _BATCHES for c in _CHUNKS if b or c]
-    batch = np.array([b for b, _ in grid], dtype=float)
-    chunk = np.array([c for _, c in grid], dtype=float)
-    seconds = np.asarray(
-        step_time(model, hw, chunk[:, None], chunk[:, None] * pairs_per_token, batch[:, None],
-                  batch[:, None] * context, eff)
-    )  # fmt: skip
-    shapes = []
-    for i in range(len(cluster.backends)):
-        fits = batch <= most[i]
-        shapes.append((batch[fits], chunk[fits], seconds[fits, i]))
-    return shapes
+def plan_servers(cluster: Cluster) -> Servers:
+    backends = cluster.backends
+    return Servers(
+        cluster.model,
+        cluster.hardware(),
+        cluster.efficiency,
+        np.array([Role.PREFILL in b.spec.roles for b in backends]),
+        np.array([Role.DECODE in b.spec.roles for b in backends]),
+        np.array([b.spec.max_num_seqs for b in backends], dtype=float),
+    )
