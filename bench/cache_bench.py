@@ -70,6 +70,7 @@ class ApproximateIndexRouter:
         self.name = f"{inner.name}+approx"
         self.uses_prefix_index = False  # it looks prefixes up itself, in its own index
         self.learns = inner.learns
+        self.replans = inner.replans
         self.uses_work = inner.uses_work
 
     def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
@@ -103,6 +104,9 @@ class ApproximateIndexRouter:
 
     def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None:
         self.inner.blend_calibration(others)
+
+    def replan(self) -> None:
+        self.inner.replan()
 
 
 def run_policy(

@@ -51,6 +51,7 @@ from bench.policies import (
 from bench.ports import free_port
 from bench.sim.server import SimProcess
 from bench.workloads import WorkloadRequest
+from gateway.decision import SESSION_HEADER
 
 _ROUTE = re.compile(r"(prefill|decode|backend|predicted_ttft_ms|predicted_tpot_ms)=([^;\s]+)")
 
@@ -117,7 +118,9 @@ async def _one(
     tokens = 0
     route = ""
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
+        # A chat's turns name their conversation, as the simulator tells the router (`in_conversation`).
+        headers = {} if r.session is None else {SESSION_HEADER.decode(): r.session}
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as response:
             route = response.headers.get("x-hetgate-route", "")
             chunks = 0  # text chunks: the token count when a router drops the usage chunk (sglang-router)
             async for line in response.content:

@@ -31,6 +31,7 @@ from gateway.poller import Poller
 from gateway.prefix import PrefixServices, build_prefix_services
 from gateway.proxy import Proxy
 from gateway.registry import BackendState, HealthEvent, Registry
+from gateway.replanning import start_replanning
 from gateway.replicas import start_shared_load
 from gateway.retry import failing_statuses
 from gateway.schemas import Kind
@@ -170,6 +171,9 @@ def start_live_changes(
     shared = start_shared_load(state.registry, state.config.index, lambda: state.handler.decider.routers)
     if shared is not None:
         tasks.append(shared)
+    replanning = start_replanning(lambda: state.handler.decider.routers)
+    if replanning is not None:
+        tasks.append(replanning)
     if config_path is not None:
         reloader = ConfigReloader(config_path, state, live, read=_read_config)
         reloader.install_signal()

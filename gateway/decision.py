@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 SloOverride = tuple[float | None, float | None]  # per-request TTFT and TPOT objectives, s (None: the model's)
 NO_SLO_OVERRIDE: SloOverride = (None, None)
 _SLO_HEADERS = (b"x-hetgate-slo-ttft-ms", b"x-hetgate-slo-tpot-ms")
+# Names the conversation a request belongs to (vLLM's production-stack router and llm-d's session scorer
+# route on such a header). Only its presence is read: `RequestFeatures.in_conversation`.
+SESSION_HEADER = b"x-session-id"
 
 
 def slo_override(headers: dict[bytes, bytes]) -> SloOverride:
@@ -60,6 +63,15 @@ def slo_override(headers: dict[bytes, bytes]) -> SloOverride:
             raise BadRequest(f"{name.decode()} must be a positive number of milliseconds.", name.decode())
         values.append(ms / 1000.0)
     return values[0], values[1]
+
+
+def with_hints(features: RequestFeatures, headers: dict[bytes, bytes], slo: SloOverride) -> RequestFeatures:
+    """`features` with what the client said of the request: its own SLO (`slo_override`) and whether
+    it names a conversation (`SESSION_HEADER`). The same object when it said nothing."""
+    chat = SESSION_HEADER in headers
+    if slo == NO_SLO_OVERRIDE and not chat:
+        return features
+    return dataclasses.replace(features, slo_ttft_s=slo[0], slo_tpot_s=slo[1], in_conversation=chat)
 
 
 def route_text(backends: Sequence[BackendState], predicted: Prediction | None, note: str = "") -> str:
@@ -218,8 +230,7 @@ class Decider:
         `slo_override`); `eligible` (one bool per pool backend) narrows the choice, e.g. to the subset an
         Envoy gateway allows. Raises NoBackend when nothing can serve."""
         features, cached = await self._features(request, pool, headers)
-        if slo != NO_SLO_OVERRIDE:
-            features = dataclasses.replace(features, slo_ttft_s=slo[0], slo_tpot_s=slo[1])
+        features = with_hints(features, headers, slo)
         router = self.routers[request.model]
         candidates = self.registry.candidates(pool, cached, router.uses_work)
         if eligible is not None:

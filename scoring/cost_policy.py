@@ -75,6 +75,7 @@ import numpy as np
 
 from scoring.calibration import CLIP, ComputeFit
 from scoring.catalog import Catalog, ModelSpec, load_catalog
+from scoring.conversations import ConversationStarts, TrafficWindow
 from scoring.cost import (
     DEFAULT_EFFICIENCY,
     HARDWARE_FIELDS,
@@ -86,6 +87,7 @@ from scoring.cost import (
 from scoring.jit import kernel
 from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel, steps_kernel
 from scoring.router import Rotation, SimpleRanker, SplitSettings, rotated
+from scoring.slo_plan import Servers
 from scoring.types import (
     BackendSpec,
     BackendStats,
@@ -157,6 +159,7 @@ class _Cluster:
     tpot_factor: np.ndarray  # measured over predicted TPOT (the SLO check's correction)
     pair_factor: np.ndarray  # [p, d], a view of `links[0]`
     headroom: np.ndarray  # [p, d], a view of `links[3]`
+    starts: ConversationStarts  # where new conversations decode
 
     def set_pair(self, kind: str, pair: tuple[str, str], value: float) -> None:
         """Write a pair's learnt `pair` correction or `headroom` where the pricing reads it."""
@@ -209,6 +212,7 @@ class CostRanker(SimpleRanker):
     ranks_decode = True
     judges_split = True
     learns = True
+    replans = True  # where new conversations decode: `scoring.conversations`
     # It prices a split in seconds, transfer included, so `auto` needs no token gate (an operator may
     # still set `pd_min_prompt_tokens`). The gate had hidden `_harm` pricing a second of a queued
     # prompt's TTFT like a second spread over a decode's output (docs/policies.md, tenth pass).
@@ -238,6 +242,7 @@ class CostRanker(SimpleRanker):
         self._compute_prior = 1.0  # for a backend not measured yet: the others' geometric mean
         self._queue_prior = 1.0
         self._pair_correction: dict[tuple[str, str], float] = {}
+        self._traffic = TrafficWindow()  # what the SLO plan of `replan` is solved over
         self._tpot_correction: dict[str, float] = {}
         self._tpot_prior = 1.0
         self._tpot_outcomes: dict[str, int] = {}  # outcomes learnt per backend (`_rate`)
@@ -323,8 +328,10 @@ class CostRanker(SimpleRanker):
         args = self._price_args(request, c, cl, mode is Disaggregation.NEVER)
         turn = self._rotate.turn
         min_lacking = float(split.pd_min_prompt_tokens) if mode is Disaggregation.AUTO else -np.inf
+        start = self._conversation_start(request, c, cl, args)
+        can_decode = c.can_decode if start is None else np.arange(len(c)) == start
         rows, ranked, both, pair = _plan_kernel(
-            args, (c.healthy, c.can_prefill, c.can_decode), cl.links,
+            args, (c.healthy, c.can_prefill, can_decode), cl.links,
             (_SPLIT_CODES[mode], min_lacking, turn, self.cost_tolerance),
         )  # fmt: skip
         if ranked.size == 0:
@@ -333,6 +340,10 @@ class CostRanker(SimpleRanker):
         # The aggregated plans took turn `turn`; a split's two sides `turn + 1` and `turn + 2`.
         self._rotate.turn = turn + (1 if found == _NO_ROWS else 3)
         aggregated = tuple(ranked.tolist())
+        if start is not None:  # the other decoders stay as fallbacks, in the order they would have had
+            others = _ranked(c.healthy & c.can_decode, turn, rows[acost_], rows[afin_], rows[aok_] > 0,
+                             self.cost_tolerance)  # fmt: skip
+            aggregated += tuple(i for i in others.tolist() if i != start)
         best = aggregated[0]
         agg = rows[:, best].tolist()
         agg_pred = _predicted(agg, agg, 0.0, agg[ttft_], (best,))
@@ -350,6 +361,29 @@ class CostRanker(SimpleRanker):
         pair_pred = _predicted(rows[:, pi].tolist(), rows[:, di].tolist(), transfer, ttft, (pi, di))
         plan = (Mode.PD, aggregated, tuple(prefills.tolist()), tuple(decodes.tolist()), "split")
         return self._route(request, c, plan, pair_pred, rows, surviving)
+
+    def _conversation_start(
+        self, request: RequestFeatures, c: Candidates, cl: _Cluster, args: _PriceArgs
+    ) -> int | None:
+        """Notes the request for the SLO plan (`replan`). For the first turn of a named conversation,
+        the one backend it may decode on (`ConversationStarts.pick`); None for any other request. A
+        first turn is one no backend holds beyond what every backend holds, for half its prompt: no
+        state, so gateway replicas agree, and a conversation whose KV was evicted starts afresh."""
+        prompt, outputs, _, slo_ttft, slo_tpot = args[1]
+        held = args[3][0]
+        self._traffic.record(prompt, held, outputs, slo_ttft, slo_tpot)
+        if not request.in_conversation or float(held.max() - held.min()) >= 0.5 * prompt:
+            return None
+        return cl.starts.pick(c.healthy & c.can_decode)
+
+    def replan(self) -> None:
+        """The SLO plan of the traffic seen lately, solved for each set of backends (thread-safe
+        against `choose`: it reads a copy of the traffic and swaps the shares in whole)."""
+        traffic = self._traffic.snapshot()
+        if traffic is None:
+            return
+        for cl in list(self._clusters.values()):
+            cl.starts.replan(traffic)
 
     def _route(
         self,
@@ -605,10 +639,21 @@ class CostRanker(SimpleRanker):
                 np.array([self.tpot_correction(s.id) for s in specs]),
                 links[0],  # set_pair writes there, so into `links`
                 links[3],
+                ConversationStarts(specs, self._plan_servers(hw, specs)),
             )
             self._clusters[key] = cl
         self._last = cl
         return cl
+
+    def _plan_servers(self, hw: Hardware, specs: tuple[BackendSpec, ...]) -> Servers:
+        return Servers(
+            self.model,
+            hw,
+            self.efficiency,
+            np.array([Role.PREFILL in s.roles for s in specs]),
+            np.array([Role.DECODE in s.roles for s in specs]),
+            np.array([s.max_num_seqs for s in specs], dtype=float),
+        )
 
 
 def _prefill_price(compute: np.ndarray, hw: Hardware, specs: tuple[BackendSpec, ...]) -> np.ndarray:

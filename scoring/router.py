@@ -44,7 +44,9 @@ class Ranker(Protocol):
       returns the plan itself; `PlanningRouter` then only hands it the split setting;
     - `learns`: `observe` corrects the policy with measured outcomes (otherwise it does nothing);
     - `split_gate_tokens`: under `auto`, the prompt tokens a decode backend must lack before a split
-      is considered, when the configuration sets no `pd_min_prompt_tokens`.
+      is considered, when the configuration sets no `pd_min_prompt_tokens`;
+    - `replans`: `replan` solves, off the request path, a plan from the traffic it has seen (`cost`:
+      where new conversations decode, `scoring.conversations`); its owner calls it now and then.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Ranker(Protocol):
     judges_split: bool
     learns: bool
     split_gate_tokens: int
+    replans: bool
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray: ...
 
@@ -74,6 +77,8 @@ class Ranker(Protocol):
     def calibration(self) -> dict[str, float]: ...
 
     def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None: ...
+
+    def replan(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +125,7 @@ class SimpleRanker:
     ranks_decode = False
     judges_split = False
     learns = False
+    replans = False
     # Below this many tokens to ship, a count-based policy's split moves more KV than it saves prefill.
     split_gate_tokens = 1024
 
@@ -149,6 +155,9 @@ class SimpleRanker:
 
     def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None:
         """Nothing learnt, nothing to blend."""
+
+    def replan(self) -> None:
+        """No plan to solve."""
 
 
 class RoundRobin(SimpleRanker):
@@ -193,6 +202,7 @@ class PlanningRouter:
         self.uses_prefix_index = ranker.uses_prefix_index
         self.uses_work = ranker.uses_work
         self.learns = ranker.learns
+        self.replans = ranker.replans
 
     def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
         if self.ranker.judges_split:
@@ -258,6 +268,11 @@ class PlanningRouter:
         for ranker in {id(r): r for r in (self.ranker, self.prefill_ranker)}.values():
             if ranker.learns:
                 ranker.blend_calibration(others)
+
+    def replan(self) -> None:
+        for ranker in {id(r): r for r in (self.ranker, self.prefill_ranker)}.values():
+            if ranker.replans:
+                ranker.replan()
 
 
 def build_ranker(policy: str, **knobs: Any) -> Ranker:

@@ -74,6 +74,9 @@ class RequestFeatures:
     # Per-request SLO in seconds (headers x-hetgate-slo-ttft-ms / -tpot-ms); None: the model's.
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # The client named the conversation the request belongs to (header x-session-id; in the simulator,
+    # `WorkloadRequest.session`): later turns will follow, so where its first turn decodes matters.
+    in_conversation: bool = False
 
 
 @dataclass(slots=True)
@@ -243,6 +246,9 @@ class Router(Protocol):
     uses_work: bool
     # Learns from `observe`; for the others it does nothing and callers may skip building outcomes.
     learns: bool
+    # Has a plan of the traffic to solve off the request path: its owner calls `replan` now and then
+    # (the gateway in a worker thread every few seconds, the simulator every so many arrivals).
+    replans: bool
 
     def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan: ...
 
@@ -268,6 +274,10 @@ class Router(Protocol):
 
     def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None:
         """Take in what other replicas learnt (their `calibration` values, per name); may do nothing."""
+        ...
+
+    def replan(self) -> None:
+        """Solve its plan of the traffic seen (seconds of CPU at most; thread-safe against `plan`)."""
         ...
 
 

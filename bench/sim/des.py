@@ -37,6 +37,7 @@ from bench.sim.scheduler import (
 from bench.workloads import Prompt, WorkloadRequest, block_token_ids
 from kvindex.hashing import HashMode, hash_token_ids, root_hash
 from scoring.catalog import Accelerator, ModelSpec
+from scoring.conversations import MIN_SEEN, REPLAN_EVERY
 from scoring.cost import DEFAULT_EFFICIENCY, Efficiency, Hardware, kv_transfer_time
 from scoring.load import (
     CacheSurvival,
@@ -253,6 +254,7 @@ class Replay:
         self.steps = 0
         self.next_issue = 0
         self.arrival_order: list[int] = []
+        self.planned = 0  # requests routed so far: a router that replans does so every REPLAN_EVERY
 
     # --- the loop ---------------------------------------------------------------------------------------
     def execute(self) -> DesResult:
@@ -318,8 +320,13 @@ class Replay:
         w = self.workload[i]
         hashes = self._hashes(i, w)
         candidates = self._candidates(hashes, t)
-        features = RequestFeatures(self.sim.specs[0].model, w.prompt_len, w.max_tokens, False, hashes)
-        plan = self.sim.router.plan(features, candidates)
+        model, chat = self.sim.specs[0].model, w.session is not None
+        features = RequestFeatures(model, w.prompt_len, w.max_tokens, False, hashes, in_conversation=chat)
+        router = self.sim.router
+        if router.replans and self.planned % REPLAN_EVERY == MIN_SEEN:
+            router.replan()  # the gateway: in a thread every few seconds (simulated time is not wall time)
+        self.planned += 1
+        plan = router.plan(features, candidates)
         record = self.records[i]
         record.mode = plan.mode
         if plan.predicted is not None:  # the DES serves every request where its plan priced it

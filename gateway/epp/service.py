@@ -33,6 +33,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.poller import Poller
 from gateway.prefix import build_prefix_services
 from gateway.registry import BackendState, HealthEvent, Registry
+from gateway.replanning import start_replanning
 from gateway.replicas import start_shared_load
 from gateway.retry import RetryPolicy, failing_statuses
 from gateway.upstream import Upstream
@@ -121,6 +122,7 @@ async def run(config: GatewayConfig, listen: Listen, settings: PickerSettings) -
     metrics_site = await _metrics_site(metrics, listen)
     # Other replicas' in-flight counts, shared as `serve` shares them (gateway/replicas.py).
     shared = start_shared_load(registry, config.index, lambda: decider.routers)
+    replanning = start_replanning(lambda: decider.routers)
     try:
         async with httpx.AsyncClient() as control_client:
             poller = Poller(registry, control_client)
@@ -137,6 +139,9 @@ async def run(config: GatewayConfig, listen: Listen, settings: PickerSettings) -
         if shared is not None:
             shared.cancel()  # its own `finally` closes the Redis client
             await asyncio.gather(shared, return_exceptions=True)
+        if replanning is not None:
+            replanning.cancel()
+            await asyncio.gather(replanning, return_exceptions=True)
         await metrics_site.cleanup()
         if prefix:
             await prefix.close()

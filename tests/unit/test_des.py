@@ -34,6 +34,7 @@ class Spy:
         self.name = inner.name
         self.uses_prefix_index = inner.uses_prefix_index
         self.learns = True  # it wants every outcome, whatever the inner router does with them
+        self.replans = inner.replans
         self.uses_work = True
         self.seen: list[tuple[RequestFeatures, Candidates]] = []
         self.outcomes: list[Outcome] = []
@@ -45,6 +46,9 @@ class Spy:
     def observe(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
         self.inner.observe(outcome)
+
+    def replan(self) -> None:
+        self.inner.replan()
 
 
 def test_round_robin_spreads_requests_and_all_complete() -> None:

@@ -1,11 +1,14 @@
-"""The per-request SLO headers: milliseconds in, seconds out, bad values refused with a 400."""
+"""The per-request SLO headers: milliseconds in, seconds out, bad values refused with a 400; and the
+session header, which marks a request as a turn of a conversation."""
 
 from __future__ import annotations
 
 import pytest
 
+from gateway.decision import NO_SLO_OVERRIDE, SESSION_HEADER, with_hints
 from gateway.errors import BadRequest
 from gateway.handler import _slo_override
+from scoring.types import RequestFeatures
 
 
 @pytest.mark.parametrize(
@@ -28,3 +31,14 @@ def test_bad_slo_headers_are_a_400(value) -> None:
     with pytest.raises(BadRequest) as raised:
         _slo_override({b"x-hetgate-slo-ttft-ms": value})
     assert raised.value.status == 400 and raised.value.param == "x-hetgate-slo-ttft-ms"
+
+
+def test_the_session_header_marks_a_turn_of_a_conversation() -> None:
+    plain = RequestFeatures("m", 100, 10)
+    assert with_hints(plain, {}, NO_SLO_OVERRIDE) is plain
+    assert not plain.in_conversation
+    named = with_hints(plain, {SESSION_HEADER: b"chat-7"}, NO_SLO_OVERRIDE)
+    assert named.in_conversation and named.slo_ttft_s is None
+    both = with_hints(plain, {SESSION_HEADER: b"chat-7"}, (2.5, None))
+    assert both.in_conversation and both.slo_ttft_s == 2.5
+    assert not with_hints(plain, {}, (2.5, None)).in_conversation
