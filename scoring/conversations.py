@@ -8,9 +8,10 @@ backends that are worth more as prefillers (B200 + 2x H100, multi-turn chats: 34
 H100, whose decodes then missed their TPOT; docs/policies.md, thirtieth and thirty-first passes). The
 SLO plan says how the cluster's decoding is best shared at its SLO; new conversations follow it.
 
-The solve (6-93 ms) never runs on the request path: `ConversationStarts.record` only notes each request
+The solve (6-93 ms) never runs on the request path: `TrafficWindow.record` only notes each request
 (one append), and the owner solves off it (`CostRanker.replan`): the gateway in a worker
-thread every few seconds, the simulator every `REPLAN_EVERY` arrivals.
+thread every few seconds, the simulator every `REPLAN_EVERY` arrivals; and only when a request has named
+a conversation since the last solve.
 """
 
 from __future__ import annotations
@@ -36,16 +37,28 @@ class TrafficWindow:
     def __init__(self, size: int = WINDOW) -> None:
         # (prompt, tokens each backend holds, outputs, TTFT target, TPOT target) per request
         self._requests: deque[tuple[float, np.ndarray, float, float, float]] = deque(maxlen=size)
+        self._chatting = False  # a request named a conversation since the last snapshot
 
-    def record(self, prompt: float, held: np.ndarray, outputs: float, ttft_s: float, tpot_s: float) -> None:
+    def record(
+        self, prompt: float, held: np.ndarray, outputs: float, slo: tuple[float, float], in_conversation: bool
+    ) -> None:
         """`held`: the prompt tokens each backend holds (the request's own array, not copied: its
-        maximum, the tokens a cluster-wide cache would have, is taken off the request path)."""
-        self._requests.append((prompt, held, outputs, ttft_s, tpot_s))
+        maximum, the tokens a cluster-wide cache would have, is taken off the request path); `slo`: its
+        TTFT and TPOT targets."""
+        self._requests.append((prompt, held, outputs, slo[0], slo[1]))
+        if in_conversation:
+            self._chatting = True
 
     def snapshot(self) -> Traffic | None:
-        """A copy of what is held (None below `MIN_SEEN` requests)."""
+        """A copy of what is held; None below `MIN_SEEN` requests, and while no request has named a
+        conversation since the last snapshot (only their first turns use the plan: a cluster serving
+        none spends no CPU on it)."""
+        if not self._chatting:
+            return None
+        self._chatting = False
         held = list(self._requests)
         if len(held) < MIN_SEEN:
+            self._chatting = True  # not enough to plan yet: try again next time
             return None
         prompt, outputs, ttft, tpot = np.array([(r[0], r[2], r[3], r[4]) for r in held], dtype=float).T
         cached = np.array([float(r[1].max(initial=0.0)) for r in held])

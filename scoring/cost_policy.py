@@ -371,7 +371,7 @@ class CostRanker(SimpleRanker):
         state, so gateway replicas agree, and a conversation whose KV was evicted starts afresh."""
         prompt, outputs, _, slo_ttft, slo_tpot = args[1]
         held = args[3][0]
-        self._traffic.record(prompt, held, outputs, slo_ttft, slo_tpot)
+        self._traffic.record(prompt, held, outputs, (slo_ttft, slo_tpot), request.in_conversation)
         if not request.in_conversation or float(held.max() - held.min()) >= 0.5 * prompt:
             return None
         return cl.starts.pick(c.healthy & c.can_decode)

@@ -60,7 +60,7 @@ def busy_b200() -> tuple[BackendStats, ...]:
 def router_with_plan(llama, requests: int = MIN_SEEN) -> PlanningRouter:
     router = PlanningRouter(CostRanker(llama), SplitSettings(Disaggregation.AUTO))
     for _ in range(requests):
-        router.plan(chat_turn(in_conversation=False), nvidia())
+        router.plan(chat_turn(), nvidia())
     router.replan()
     return router
 
@@ -89,13 +89,23 @@ def test_picks_follow_the_shares_and_skip_what_is_not_eligible(llama) -> None:
 def test_the_window_keeps_the_latest_requests_and_needs_a_few() -> None:
     window = TrafficWindow(size=MIN_SEEN + 2)
     for k in range(MIN_SEEN - 1):
-        window.record(100.0 + k, np.zeros(3), 10.0, 1.0, 0.1)
+        window.record(100.0 + k, np.zeros(3), 10.0, (1.0, 0.1), in_conversation=True)
     assert window.snapshot() is None
     for k in range(MIN_SEEN - 1, 2 * MIN_SEEN):
-        window.record(100.0 + k, np.zeros(3), 10.0, 1.0, 0.1)
+        window.record(100.0 + k, np.zeros(3), 10.0, (1.0, 0.1), in_conversation=False)
     traffic = window.snapshot()
     assert traffic is not None and len(traffic.prompt) == MIN_SEEN + 2
     assert sorted(traffic.prompt.tolist()) == [100.0 + k for k in range(MIN_SEEN - 2, 2 * MIN_SEEN)]
+
+
+def test_no_plan_is_solved_for_traffic_without_conversations() -> None:
+    window = TrafficWindow()
+    for k in range(2 * MIN_SEEN):
+        window.record(100.0 + k, np.zeros(3), 10.0, (1.0, 0.1), in_conversation=False)
+    assert window.snapshot() is None
+    window.record(100.0, np.zeros(3), 10.0, (1.0, 0.1), in_conversation=True)
+    assert window.snapshot() is not None
+    assert window.snapshot() is None  # nothing new since: the last plan stands
 
 
 def test_the_plan_of_chat_traffic_decodes_on_the_b200(llama) -> None:
