@@ -225,12 +225,5 @@ def slo_plan(
 
 
 def plan_servers(cluster: Cluster) -> Servers:
-    backends = cluster.backends
-    return Servers(
-        cluster.model,
-        cluster.hardware(),
-        cluster.efficiency,
-        np.array([Role.PREFILL in b.spec.roles for b in backends]),
-        np.array([Role.DECODE in b.spec.roles for b in backends]),
-        np.array([b.spec.max_num_seqs for b in backends], dtype=float),
-    )
+    specs = [b.spec for b in cluster.backends]
+    return Servers.of(cluster.model, cluster.hardware(), cluster.efficiency, specs)

@@ -639,21 +639,11 @@ class CostRanker(SimpleRanker):
                 np.array([self.tpot_correction(s.id) for s in specs]),
                 links[0],  # set_pair writes there, so into `links`
                 links[3],
-                ConversationStarts(specs, self._plan_servers(hw, specs)),
+                ConversationStarts(specs, Servers.of(self.model, hw, self.efficiency, specs)),
             )
             self._clusters[key] = cl
         self._last = cl
         return cl
-
-    def _plan_servers(self, hw: Hardware, specs: tuple[BackendSpec, ...]) -> Servers:
-        return Servers(
-            self.model,
-            hw,
-            self.efficiency,
-            np.array([Role.PREFILL in s.roles for s in specs]),
-            np.array([Role.DECODE in s.roles for s in specs]),
-            np.array([s.max_num_seqs for s in specs], dtype=float),
-        )
 
 
 def _prefill_price(compute: np.ndarray, hw: Hardware, specs: tuple[BackendSpec, ...]) -> np.ndarray:

@@ -19,12 +19,14 @@ prompt per token): no policy's steady-state SLO capacity exceeds it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from scoring.catalog import ModelSpec
 from scoring.cost import Efficiency, Hardware, causal_pairs, kv_capacity_tokens, prefill_time, step_time
+from scoring.types import BackendSpec, Role
 
 _BATCHES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _CHUNKS = (0, 256, 512, 1024, 2048, 4096, 8192)
@@ -42,6 +44,20 @@ class Servers:
     can_prefill: np.ndarray  # bool
     can_decode: np.ndarray  # bool
     max_num_seqs: np.ndarray
+
+    @classmethod
+    def of(
+        cls, model: ModelSpec, hw: Hardware, efficiency: Efficiency, specs: Sequence[BackendSpec]
+    ) -> Servers:
+        """The rows of `hw`, with the roles and batch limits of `specs` (in the same order)."""
+        return cls(
+            model,
+            hw,
+            efficiency,
+            np.array([Role.PREFILL in s.roles for s in specs]),
+            np.array([Role.DECODE in s.roles for s in specs]),
+            np.array([s.max_num_seqs for s in specs], dtype=float),
+        )
 
 
 @dataclass(frozen=True, slots=True)
