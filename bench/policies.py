@@ -338,7 +338,7 @@ class _TimedSimulation(Simulation):
 
 def make_router(cluster: Cluster, policy: str) -> Router:
     """The router the gateway would build for this cluster's config with this policy."""
-    from gateway.app import build_routers
+    from gateway.decision import build_routers
 
     name, _, split = policy.partition("/")
     routing = cluster.config.routing.model_copy(update={"policy": name, "disaggregation": split or "never"})

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from gateway.admission import Admission
 from gateway.config import GatewayConfig
-from gateway.decision import Decider, build_routers, needs_prompt_tokens
+from gateway.decision import Decider
 from gateway.discovery import FileSource, KubernetesSource
 from gateway.errors import GatewayError, install_error_handlers
 from gateway.handler import CompletionHandler
@@ -52,9 +52,7 @@ class GatewayState:
     def reconfigure(self, config: GatewayConfig) -> None:
         """Apply what may change while serving (gateway/live.py): routing, limits, health settings."""
         self.config = config
-        routers = build_routers(config)
-        self.handler.decider.routers = routers
-        self.handler.decider.needs_prompt_tokens = needs_prompt_tokens(config, routers)
+        self.handler.decider.reconfigure(config)
         self.handler.max_body_bytes = config.limits.max_body_bytes
         self.handler.route_header = config.routing.route_header
         self.handler.proxy.config = config
@@ -129,13 +127,12 @@ def _gateway_state(
     upstream: Upstream,
     prefix: PrefixServices | None,
 ) -> GatewayState:
-    routers = build_routers(config)
     admission = Admission(config.admission, lambda reason: metrics.admission_rejections.labels(reason).inc())
     metrics.admission_active.set_function(lambda: admission.active)
     metrics.admission_queued.set_function(lambda: admission.queued)
     affinity = prefix.affinity if prefix else None
     handler = CompletionHandler(
-        decider=Decider(registry, routers, metrics, affinity, needs_prompt_tokens(config, routers)),
+        decider=Decider.of(config, registry, metrics, affinity),
         proxy=Proxy(config, registry, upstream, metrics),
         metrics=metrics,
         api_keys=config.auth.keys(),

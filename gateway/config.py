@@ -59,6 +59,16 @@ def _checks(info: ValidationInfo) -> Checks:
 # [IPv6] literal), ipc://PATH, inproc://NAME.
 _ZMQ_ENDPOINT = re.compile(r"^(tcp://(\*|\[[0-9A-Fa-f:.]+\]|[^\s:/*\[\]]+):\d{1,5}|ipc://\S+|inproc://\S+)$")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token (RFC 9110, 5.6.2)
+
+
+def _header_name(name: str | None) -> str | None:
+    """A header name as the server hands it over (lower case); None or empty: no header."""
+    if not name:
+        return None
+    if not _HEADER_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a header name (letters, digits and !#$%&'*+-.^_`|~ only)")
+    return name.lower()
 
 
 class _Strict(BaseModel):
@@ -183,8 +193,16 @@ class Routing(_Strict):
     pd_min_prompt_tokens: Annotated[int, Field(ge=0)] | None = None
     pd_fallback: Literal["aggregated", "fail"] = "aggregated"
     route_header: bool = True
+    # A request carrying this header is a turn of a named conversation (only its presence is read; `cost`
+    # starts new conversations where its SLO plan decodes). None: no request is read as one.
+    session_header: str | None = "x-session-id"
     prefix: PrefixKnobs = PrefixKnobs()
     cost: CostKnobs = CostKnobs()
+
+    @field_validator("session_header")
+    @classmethod
+    def _header_name(cls, name: str | None) -> str | None:
+        return _header_name(name)
 
 
 class IndexConfig(_Strict):
@@ -337,7 +355,7 @@ class AdmissionConfig(_Strict):
     @field_validator("tenant_header")
     @classmethod
     def _lower(cls, name: str | None) -> str | None:
-        return name.lower() if name else None
+        return _header_name(name)
 
 
 class GatewayConfig(_Strict):

@@ -42,7 +42,8 @@ SloOverride = tuple[float | None, float | None]  # per-request TTFT and TPOT obj
 NO_SLO_OVERRIDE: SloOverride = (None, None)
 _SLO_HEADERS = (b"x-hetgate-slo-ttft-ms", b"x-hetgate-slo-tpot-ms")
 # Names the conversation a request belongs to (vLLM's production-stack router and llm-d's session scorer
-# route on such a header). Only its presence is read: `RequestFeatures.in_conversation`.
+# route on such a header), by default: `routing.session_header`. Only its presence is read:
+# `RequestFeatures.in_conversation`.
 SESSION_HEADER = b"x-session-id"
 
 
@@ -65,10 +66,16 @@ def slo_override(headers: dict[bytes, bytes]) -> SloOverride:
     return values[0], values[1]
 
 
-def with_hints(features: RequestFeatures, headers: dict[bytes, bytes], slo: SloOverride) -> RequestFeatures:
+def with_hints(
+    features: RequestFeatures,
+    headers: dict[bytes, bytes],
+    slo: SloOverride,
+    session_header: bytes | None = SESSION_HEADER,
+) -> RequestFeatures:
     """`features` with what the client said of the request: its own SLO (`slo_override`) and whether
-    it names a conversation (`SESSION_HEADER`). The same object when it said nothing."""
-    chat = SESSION_HEADER in headers
+    it names a conversation (`session_header`, lower case; None: never). The same object when it said
+    nothing."""
+    chat = session_header is not None and session_header in headers
     if slo == NO_SLO_OVERRIDE and not chat:
         return features
     return dataclasses.replace(features, slo_ttft_s=slo[0], slo_tpot_s=slo[1], in_conversation=chat)
@@ -86,6 +93,12 @@ def route_text(backends: Sequence[BackendState], predicted: Prediction | None, n
         return text
     ttft_ms, tpot_ms = predicted.ttft_s * 1e3, predicted.expected_tpot_s * 1e3
     return f"{text}; predicted_ttft_ms={ttft_ms:.1f}; predicted_tpot_ms={tpot_ms:.2f}"
+
+
+def session_header(config: GatewayConfig) -> bytes | None:
+    """The header that names a request's conversation, as the server hands headers over."""
+    name = config.routing.session_header
+    return None if name is None else name.encode("latin-1")
 
 
 def needs_prompt_tokens(config: GatewayConfig, routers: dict[str, Router]) -> bool:
@@ -204,12 +217,29 @@ class Decider:
         metrics: GatewayMetrics,
         affinity: Affinity | None,
         needs_prompt_tokens: bool = True,
+        session_header: bytes | None = SESSION_HEADER,
     ) -> None:
         self.registry = registry
         self.routers = routers
         self.metrics = metrics
         self.affinity = affinity
         self.needs_prompt_tokens = needs_prompt_tokens
+        self.session_header = session_header
+
+    @classmethod
+    def of(
+        cls, config: GatewayConfig, registry: Registry, metrics: GatewayMetrics, affinity: Affinity | None
+    ) -> Decider:
+        """The decider `config` asks for, with its routers; `serve` and `epp` alike."""
+        decider = cls(registry, {}, metrics, affinity)
+        decider.reconfigure(config)
+        return decider
+
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """Apply a changed configuration's routing (gateway/live.py); the routers start afresh."""
+        self.routers = build_routers(config)
+        self.needs_prompt_tokens = needs_prompt_tokens(config, self.routers)
+        self.session_header = session_header(config)
 
     def pool_of(self, request: ParsedRequest) -> ModelPool:
         pool = self.registry.pool(request.model)
@@ -230,7 +260,7 @@ class Decider:
         `slo_override`); `eligible` (one bool per pool backend) narrows the choice, e.g. to the subset an
         Envoy gateway allows. Raises NoBackend when nothing can serve."""
         features, cached = await self._features(request, pool, headers)
-        features = with_hints(features, headers, slo)
+        features = with_hints(features, headers, slo, self.session_header)
         router = self.routers[request.model]
         candidates = self.registry.candidates(pool, cached, router.uses_work)
         if eligible is not None:

@@ -26,7 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.config import GatewayConfig
-from gateway.decision import Decider, build_routers, needs_prompt_tokens
+from gateway.decision import Decider
 from gateway.epp.pd import PrefillRunner
 from gateway.epp.picker import Picker, PickerSettings, Turn
 from gateway.metrics import GatewayMetrics
@@ -109,9 +109,7 @@ async def run(config: GatewayConfig, listen: Listen, settings: PickerSettings) -
     prefix = await build_prefix_services(config, registry, metrics)
     failing = failing_statuses(config.retry)
     upstream = Upstream(config.timeouts, failing, config.limits.max_response_bytes)
-    routers = build_routers(config)
-    affinity = prefix.affinity if prefix else None
-    decider = Decider(registry, routers, metrics, affinity, needs_prompt_tokens(config, routers))
+    decider = Decider.of(config, registry, metrics, prefix.affinity if prefix else None)
     retry_policy = RetryPolicy(config.retry, registry, metrics)
     prefill = PrefillRunner(registry, upstream, retry_policy, metrics)
     picker = Picker(config, registry, decider, prefill, retry_policy, failing, metrics, settings)

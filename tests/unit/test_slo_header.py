@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.decision import NO_SLO_OVERRIDE, SESSION_HEADER, with_hints
+from gateway.config import ConfigError, GatewayConfig, parse_config
+from gateway.decision import NO_SLO_OVERRIDE, SESSION_HEADER, Decider, session_header, with_hints
 from gateway.errors import BadRequest
 from gateway.handler import _slo_override
+from gateway.metrics import GatewayMetrics
+from gateway.registry import Registry
 from scoring.types import RequestFeatures
 
 
@@ -42,3 +45,34 @@ def test_the_session_header_marks_a_turn_of_a_conversation() -> None:
     both = with_hints(plain, {SESSION_HEADER: b"chat-7"}, (2.5, None))
     assert both.in_conversation and both.slo_ttft_s == 2.5
     assert not with_hints(plain, {}, (2.5, None)).in_conversation
+
+
+_MODEL = {"name": "m", "spec": "deepseek-r1"}
+_BACKEND = {"id": "a", "url": "http://127.0.0.1:8101", "model": "m", "accelerator": "h100"}
+
+
+def _registry() -> Registry:
+    return Registry(parse_config({"models": [_MODEL], "backends": [_BACKEND]}))
+
+
+def test_the_session_header_is_configurable_and_can_be_switched_off() -> None:
+    plain = RequestFeatures("m", 100, 10)
+
+    def config(routing: dict) -> GatewayConfig:
+        return parse_config({"models": [_MODEL], "backends": [_BACKEND], "routing": routing})
+
+    def named(routing: dict, headers: dict[bytes, bytes]) -> bool:
+        return with_hints(plain, headers, NO_SLO_OVERRIDE, session_header(config(routing))).in_conversation
+
+    assert named({}, {b"x-session-id": b"c"})
+    assert named({"session_header": "X-Conversation"}, {b"x-conversation": b"c"})
+    assert not named({"session_header": "X-Conversation"}, {b"x-session-id": b"c"})
+    assert not named({"session_header": None}, {b"x-session-id": b"c"})
+    with pytest.raises(ConfigError, match="not a header name"):
+        config({"session_header": "x session"})
+
+    # The gateway reads the configured name, and a reloaded configuration's (gateway/live.py).
+    decider = Decider.of(config({"session_header": "X-Conversation"}), _registry(), GatewayMetrics(), None)
+    assert decider.session_header == b"x-conversation"
+    decider.reconfigure(config({"session_header": None, "policy": "cost"}))
+    assert decider.session_header is None and decider.routers["m"].replans
