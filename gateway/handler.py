@@ -193,6 +193,10 @@ class CompletionHandler:
             ex.load_of = decision.leg_load
             ex.predicted = decision.prediction_for
             ex.measured = lambda: self._learn(ex, decision)
+            # Recorded when the backends answer, not when the reply ends: a conversation's next turn, or
+            # a sibling sharing the prompt, may arrive while this one still streams (the EPP records at
+            # the response headers too; SGLang's cache_aware at the routing decision).
+            ex.opened = lambda: self.decider.served(decision, ex.served)
             if decision.plan.mode is Mode.PD:
                 aggregated = decision.aggregated  # the fallback order
                 await self.proxy.disaggregated(ex, decision.prefill, decision.decode, aggregated, send)
@@ -201,15 +205,8 @@ class CompletionHandler:
         except LegFailed as failure:
             message = _LEG_ERRORS.get(failure.kind, "The backend response broke.")
             await self._fail(ex, send, UpstreamFailed(message))
-            return
         except GatewayError as error:
             await self._fail(ex, send, error)
-            return
-        self._after(ex, decision)
-
-    def _after(self, ex: Exchange, decision: Decision) -> None:
-        """What the request taught: the prefix its backends now hold."""
-        self.decider.served(decision, ex.served)
 
     def _learn(self, ex: Exchange, decision: Decision) -> None:
         """What a streamed request's times teach the router (the proxy calls it through `ex.measured`

@@ -90,6 +90,8 @@ class Exchange:
     load_of: LoadOf = _unplanned
     predicted: PredictionFor = _unpriced  # the plan's prediction, if it priced the backends that served
     measured: Callable[[], None] = _nothing  # a stream's times are in: teach the router (the handler's)
+    # The backends in `served` answered: they hold the prompt's prefix from now on (the handler's).
+    opened: Callable[[], None] = _nothing
     served: list[BackendState] = field(default_factory=list)
     mode: str = "aggregated"
     responded: bool = False  # True once the status line went out: errors must then travel in-band
@@ -130,6 +132,7 @@ class Proxy:
         leg = await self._open_first(ex, order, ex.request.kind.path, ex.upstream_body, "aggregated")
         ex.mode = "aggregated"
         ex.served = [leg.backend]
+        ex.opened()
         await self._relay(ex, leg, send, note, rewrite_cached=None)
 
     # -- prefill/decode -------------------------------------------------------------------------------------
@@ -175,6 +178,7 @@ class Proxy:
             return
         ex.mode = "pd"
         ex.served = [done.backend, leg.backend]
+        ex.opened()
         self.metrics.route_decisions.labels(model, "pd", "executed").inc()
         await self._relay(ex, leg, send, "", rewrite_cached=done.cached_tokens)
 

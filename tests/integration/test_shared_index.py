@@ -76,7 +76,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str
 
 def route_and_wait_for_record(gw, prompt: str, redis_url: str) -> str:
     """Route a prompt never sent before, then wait until the index holds its blocks for the chosen
-    backend (the gateway records them right after the response, off the request path)."""
+    backend (the gateway records them when the backend answers, off the request path)."""
     chosen = route(gw, prompt)
     backend = backend_of(chosen)
     wait_until(lambda: holds(redis_url, backend, prompt), what=f"{backend}'s record")
