@@ -56,7 +56,11 @@ from gateway.decision import SESSION_HEADER
 _ROUTE = re.compile(r"(prefill|decode|backend|predicted_ttft_ms|predicted_tpot_ms)=([^;\s]+)")
 
 
-def sim_args(cluster: Cluster, index: int, time_scale: float, port: int | None) -> list[str]:
+def sim_args(
+    cluster: Cluster, index: int, time_scale: float, port: int | None, kv_events_port: int | None = None
+) -> list[str]:
+    """`hetgate sim` arguments for backend `index` of `cluster`; with `kv_events_port`, it publishes its KV
+    events there as vLLM does (`--kv-events-config`), for the gateway's precise index."""
     backend = cluster.config.backends[index]
     roles = {r.value for r in backend.roles}
     role = "both" if roles == {"prefill", "decode"} else roles.pop()
@@ -68,14 +72,23 @@ def sim_args(cluster: Cluster, index: int, time_scale: float, port: int | None) 
         "--max-num-seqs", str(backend.max_num_seqs), "--enable-prompt-tokens-details",
         "--max-model-len", "131072", "--efficiency", json.dumps({"mfu": eff.mfu, "bw_util": eff.bw_util}),
     ]  # fmt: skip
+    if kv_events_port is not None:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}"}
+        args += ["--kv-events-config", json.dumps(events)]
     return args + (["--port", str(port)] if port else [])
 
 
-def gateway_config(cluster: Cluster, urls: Sequence[str], policy: str) -> dict[str, Any]:
+def gateway_config(
+    cluster: Cluster, urls: Sequence[str], policy: str, kv_events_ports: Sequence[int] = ()
+) -> dict[str, Any]:
+    """hetgate's config for the sims at `urls`; with `kv_events_ports` (one per sim), a precise prefix index
+    fed by their KV events, as the simulator's router sees the engines' caches."""
     name, _, split = policy.partition("/")
     config = cluster.config.model_dump(mode="json", exclude_none=True)
     for backend, url in zip(config["backends"], urls, strict=True):
         backend["url"] = url
+    for backend, port in zip(config["backends"], kv_events_ports, strict=False):
+        backend["kv_events"] = {"endpoint": f"tcp://*:{port}"}  # the sim binds, the gateway connects
     config["routing"] = {**config["routing"], "policy": name, "disaggregation": split or "never"}
     config["health"] = {"interval_s": 0.5, "metrics_interval_s": 0.25}
     config["timeouts"] = {"connect_s": 2.0, "ttfb_s": 600.0, "idle_s": 600.0}
@@ -205,10 +218,15 @@ def run_http(
         ports = list(sim_ports)
     elif target is not None and _is_url(target[1]):  # a running router was configured with these
         ports = [urlparse(b.base_url).port for b in cluster.config.backends]
+    # hetgate's index is precise, fed by the sims' KV events, as the DES's router sees the engines' caches;
+    # an external router keeps its own (approximate) tree.
+    events: list[int] = [free_port() for _ in ports] if target is None else []
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         sims = [
-            SimProcess(sim_args(cluster, k, time_scale, port), startup_timeout_s=90)
+            SimProcess(
+                sim_args(cluster, k, time_scale, port, events[k] if events else None), startup_timeout_s=90
+            )
             for k, port in enumerate(ports)
         ]
         for sim in sims:
@@ -219,7 +237,7 @@ def run_http(
             list(pool.map(SimProcess.start, sims))
         urls = [s.url for s in sims]
         if target is None:
-            gateway = stack.enter_context(GatewayProcess(gateway_config(cluster, urls, policy)))
+            gateway = stack.enter_context(GatewayProcess(gateway_config(cluster, urls, policy, events)))
             front = gateway.url
         elif _is_url(target[1]):
             front = target[1].rstrip("/")

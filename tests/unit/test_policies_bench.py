@@ -482,3 +482,24 @@ def test_the_router_efficiency_reaches_every_point_of_the_sweep(monkeypatch) -> 
     assert seen and set(seen) == {None}
     with pytest.raises(SystemExit):
         pb.plan_from(pb.parse_args(["--http", "--router-efficiency", "cluster"]))
+
+
+def test_http_mode_feeds_hetgates_index_from_the_sims_kv_events() -> None:
+    """The DES's router sees each engine's cache (a precise index): HTTP mode wires the sims' KV events
+    into the gateway so the two modes route on the same knowledge."""
+    from bench.policies_http import gateway_config, sim_args
+    from bench.sim.cli import build_parser, config_from_args
+    from gateway.config import parse_config
+
+    cluster = pb.cluster_named("nvidia")
+    ports = [5601 + k for k in range(len(cluster.ids))]
+    config = parse_config(gateway_config(cluster, ["http://127.0.0.1:9"] * len(ports), "prefix/never", ports))
+    assert [b.kv_events.endpoint for b in config.backends if b.kv_events] == [f"tcp://*:{p}" for p in ports]
+    sim = config_from_args(build_parser().parse_args(sim_args(cluster, 1, 1.0, None, ports[1])))
+    assert sim.kv_events.active and sim.kv_events.endpoint == f"tcp://*:{ports[1]}"
+    plain = config_from_args(build_parser().parse_args(sim_args(cluster, 1, 1.0, None)))
+    assert not plain.kv_events.active
+    assert all(
+        b.kv_events is None
+        for b in parse_config(gateway_config(cluster, ["http://h:1"] * 3, "cost/auto")).backends
+    )
