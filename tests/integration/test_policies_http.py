@@ -37,6 +37,24 @@ def test_http_and_des_agree_within_ten_percent_on_a_tiny_run() -> None:
     assert http.mode == "http" and http.policy == policy
 
 
+def test_conversations_follow_their_cache_over_http_as_in_the_des() -> None:
+    # Six chats of four turns on the NVIDIA mix, the turns 1.6 s apart at this rate while an answer
+    # streams for about as long: each turn must find where its conversation's KV is (the sims' KV events
+    # feed hetgate's index) in both modes, so the cache hit rates match and no chat changes backend.
+    turns = 4
+    chats = tuple(w.multi_turn_chats(6, turns, think_time_s=20.0, seed=0))
+    scenario = pb.Scenario("chats-tiny", "nvidia", chats, "trace")
+    rate, policy = 0.3 * pb.scenario_bound(scenario).requests_per_s, "prefix/never"
+    des = pb.run_des(scenario, rate, policy, pb.Slo())
+    http = run_http(scenario, rate, policy, pb.Slo(), time_scale=1.0)
+    assert des.completed == http.completed == len(chats)
+    assert http.prefix_hit_rate == pytest.approx(des.prefix_hit_rate, abs=0.05)
+    assert http.prefix_hit_rate > 0.5  # three of four turns find the history their last turn left
+    for row in (des, http):
+        assert all(n % turns == 0 for n in row.requests_per_backend.values()), row.requests_per_backend
+    assert agreement(des, http)["output_tok_per_s"] <= TOLERANCE
+
+
 def test_an_external_router_gets_the_same_load_on_the_same_backends() -> None:
     # The floor proxy (bench/floor_proxy.py) stands in for an external router: it forwards everything to
     # one backend and names none, so the row counts what each simulated backend finished.
