@@ -132,7 +132,7 @@ def _gateway_state(
     metrics.admission_queued.set_function(lambda: admission.queued)
     affinity = prefix.affinity if prefix else None
     handler = CompletionHandler(
-        decider=Decider.of(config, registry, metrics, affinity),
+        decider=Decider(config, registry, metrics, affinity),
         proxy=Proxy(config, registry, upstream, metrics),
         metrics=metrics,
         api_keys=config.auth.keys(),

@@ -212,34 +212,23 @@ def demote(plan: RoutePlan, cooling: frozenset[int]) -> RoutePlan:
 class Decider:
     def __init__(
         self,
+        config: GatewayConfig,
         registry: Registry,
-        routers: dict[str, Router],
         metrics: GatewayMetrics,
         affinity: Affinity | None,
-        needs_prompt_tokens: bool = True,
-        session_header: bytes | None = SESSION_HEADER,
     ) -> None:
+        """The decider `config` asks for, with its routers; `serve` and `epp` alike."""
         self.registry = registry
-        self.routers = routers
         self.metrics = metrics
         self.affinity = affinity
-        self.needs_prompt_tokens = needs_prompt_tokens
-        self.session_header = session_header
-
-    @classmethod
-    def of(
-        cls, config: GatewayConfig, registry: Registry, metrics: GatewayMetrics, affinity: Affinity | None
-    ) -> Decider:
-        """The decider `config` asks for, with its routers; `serve` and `epp` alike."""
-        decider = cls(registry, {}, metrics, affinity)
-        decider.reconfigure(config)
-        return decider
+        self.reconfigure(config)
 
     def reconfigure(self, config: GatewayConfig) -> None:
-        """Apply a changed configuration's routing (gateway/live.py); the routers start afresh."""
-        self.routers = build_routers(config)
-        self.needs_prompt_tokens = needs_prompt_tokens(config, self.routers)
-        self.session_header = session_header(config)
+        """Apply a configuration's routing (at start and on a reload, gateway/live.py); the routers start
+        afresh."""
+        self.routers: dict[str, Router] = build_routers(config)
+        self.needs_prompt_tokens: bool = needs_prompt_tokens(config, self.routers)
+        self.session_header: bytes | None = session_header(config)
 
     def pool_of(self, request: ParsedRequest) -> ModelPool:
         pool = self.registry.pool(request.model)

@@ -109,7 +109,7 @@ async def run(config: GatewayConfig, listen: Listen, settings: PickerSettings) -
     prefix = await build_prefix_services(config, registry, metrics)
     failing = failing_statuses(config.retry)
     upstream = Upstream(config.timeouts, failing, config.limits.max_response_bytes)
-    decider = Decider.of(config, registry, metrics, prefix.affinity if prefix else None)
+    decider = Decider(config, registry, metrics, prefix.affinity if prefix else None)
     retry_policy = RetryPolicy(config.retry, registry, metrics)
     prefill = PrefillRunner(registry, upstream, retry_policy, metrics)
     picker = Picker(config, registry, decider, prefill, retry_policy, failing, metrics, settings)

@@ -72,7 +72,7 @@ def test_the_session_header_is_configurable_and_can_be_switched_off() -> None:
         config({"session_header": "x session"})
 
     # The gateway reads the configured name, and a reloaded configuration's (gateway/live.py).
-    decider = Decider.of(config({"session_header": "X-Conversation"}), _registry(), GatewayMetrics(), None)
+    decider = Decider(config({"session_header": "X-Conversation"}), _registry(), GatewayMetrics(), None)
     assert decider.session_header == b"x-conversation"
     decider.reconfigure(config({"session_header": None, "policy": "cost"}))
     assert decider.session_header is None and decider.routers["m"].replans
