@@ -16,7 +16,10 @@ eligible backends:
    holder (several equal holders: the least loaded of them).
 3. **Otherwise, the emptiest cache.** SGLang sends it to the worker with the smallest tree (the one
    holding least, so it has room and gains most from a new prefix); here the backend with the lowest KV
-   cache usage, ties by load, then rotating.
+   cache usage, ties by load, then rotating. SGLang's tree grows at each decision; vLLM's usage is
+   scraped (every second by default), so the usage counted is the last report plus the context sent
+   there since, over the cache's size (`Candidates.kv_usage_now`): by the report alone, every request
+   between two scrapes went to the same backend (docs/policies.md, thirty-third pass).
 
 Where this differs from SGLang, and why: SGLang's match rate counts every matched character, so when every
 worker holds a shared system prompt the match passes the threshold and the tree's first holder takes the
@@ -91,4 +94,4 @@ class CacheAware(SimpleRanker):
         beyond = cached - cached.min()
         if request.prompt_tokens > 0 and beyond.max() / request.prompt_tokens > self.cache_threshold:
             return int(order[int(cached.argmax())])
-        return int(order[int(candidates.kv_usage[order].argmin())])
+        return int(order[int(candidates.kv_usage_now()[order].argmin())])

@@ -36,8 +36,9 @@ class Ranker(Protocol):
     - `uses_prefix_index`: it reads `Candidates.cached_tokens` (the gateway and the simulator look the
       prompt up in the prefix index only for such policies);
     - `uses_work`: it reads the work columns of `Candidates` (`prefill_tokens`, `prefill_len`,
-      `decode_seqs`, `context_tokens`); for the others the registry leaves them zero, which saves the
-      request path the load formula's numpy work (see `gateway/registry.py`);
+      `decode_seqs`, ...); for the others the registry leaves them zero, which saves the request path
+      the load formula's numpy work (see `gateway/registry.py`), all but the context columns that
+      `Candidates.kv_usage_now` reads;
     - `ranks_decode`: `rank_decode` orders decode backends for a split by its own measure (otherwise
       the aggregated order is used);
     - `judges_split`: `choose` prices whole plans (aggregated on b; prefill on p, decode on d) and

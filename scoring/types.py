@@ -122,6 +122,8 @@ class Candidates:
     # The clock this snapshot was read on (seconds: the registry's monotonic clock, the simulator's
     # time), the one `kv_due_s` is relative to: a policy dates what it books with it (`Joined`).
     now: float = 0.0
+    # Tokens each backend's KV cache holds, as vLLM reports it (0: not known).
+    kv_capacity_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -129,6 +131,18 @@ class Candidates:
 
     def __len__(self) -> int:
         return len(self.specs)
+
+    def kv_usage_now(self) -> np.ndarray:
+        """Each backend's KV usage now, as far as the gateway can tell: vLLM's last report, plus the
+        context the gateway has placed there (or released) since, over the KV cache's size. Between two
+        scrapes the report alone is the same for every request, and a policy that picks the emptiest
+        cache by it sends them all to one backend; where the size is not known, the report alone."""
+        known = self.kv_capacity_tokens > 0
+        if not known.any():
+            return self.kv_usage
+        size = np.where(known, self.kv_capacity_tokens, 1.0)
+        grown = (self.context_tokens - self.context_when_reported) / size
+        return np.where(known, np.maximum(self.kv_usage + grown, 0.0), self.kv_usage)
 
     def surviving_cached(self) -> np.ndarray:
         """The prompt tokens each backend is expected to still hold when the request is admitted:
