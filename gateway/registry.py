@@ -26,8 +26,8 @@ from gateway.stats import VllmLoad
 from scoring.load import CacheSurvival, Reserved, kv_due_columns, load_columns, request_load
 from scoring.types import BackendSpec, Candidates, LegLoad, Role
 
-OwnCounts = tuple[int, int, int, int]  # `BackendState.own_counts`
-_REPORTED_ROWS = 8  # `BackendState.reported`
+OwnCounts = tuple[int, int, int, int, int]  # `BackendState.own_counts`
+_REPORTED_ROWS = 9  # `BackendState.reported`
 
 
 class HealthEvent(Enum):
@@ -94,9 +94,11 @@ class BackendState:
 
     def own_counts(self) -> OwnCounts:
         """The gateway's own view of this backend, as `load_columns`' `seen` takes it: legs in flight
-        (this process's and other replicas'), legs still to prefill, sequences decoding, their context."""
+        (this process's and other replicas'), legs still to prefill, sequences decoding, their context;
+        then the prompt tokens still to prefill (`Candidates.prefill_when_reported`)."""
         r = self.reserved
-        return (self.in_flight + self.remote_in_flight, r.prefill_seqs, r.decode_seqs, r.context_tokens)
+        in_flight = self.in_flight + self.remote_in_flight
+        return (in_flight, r.prefill_seqs, r.decode_seqs, r.context_tokens, r.prefill_tokens)
 
     def report(self, load: VllmLoad, own_before: OwnCounts | None = None) -> None:
         """vLLM's counts as scraped, with the gateway's own counts at the time (`load_columns`' `seen`):
@@ -257,7 +259,8 @@ class ModelPool:
             can_decode=self._can_decode,
             capacity=self._capacity,
             kv_usage=reported[2].copy(),
-            kv_capacity_tokens=reported[7].copy(),
+            prefill_when_reported=reported[7].copy(),
+            kv_capacity_tokens=reported[8].copy(),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
             cache_survival=own[10].copy(),
             now=now,

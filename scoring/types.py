@@ -109,6 +109,11 @@ class Candidates:
     # `context_tokens` as it was when vLLM's `kv_usage` was reported: what the KV usage says beyond it is
     # other clients' context (`WorkModel.context`).
     context_when_reported: np.ndarray
+    # The prompt tokens the gateway had reserved to prefill there when the KV usage was reported: queued
+    # prompts, which held no KV then (`kv_usage_now`).
+    prefill_when_reported: np.ndarray
+    # Tokens each backend's KV cache holds, as vLLM reports it (0: not known).
+    kv_capacity_tokens: np.ndarray
     # The engine step in progress, as far as the gateway knows (`scoring.load.Reserved`): the prompt
     # tokens in it (part of `prefill_tokens`; 0: none known), the seconds since it was known to begin,
     # and the decode steps it waited for then (0.5: planned to an idle queue beside running decodes).
@@ -122,8 +127,6 @@ class Candidates:
     # The clock this snapshot was read on (seconds: the registry's monotonic clock, the simulator's
     # time), the one `kv_due_s` is relative to: a policy dates what it books with it (`Joined`).
     now: float = 0.0
-    # Tokens each backend's KV cache holds, as vLLM reports it (0: not known).
-    kv_capacity_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -133,15 +136,18 @@ class Candidates:
         return len(self.specs)
 
     def kv_usage_now(self) -> np.ndarray:
-        """Each backend's KV usage now, as far as the gateway can tell: vLLM's last report, plus the
-        context the gateway has placed there (or released) since, over the KV cache's size. Between two
-        scrapes the report alone is the same for every request, and a policy that picks the emptiest
-        cache by it sends them all to one backend; where the size is not known, the report alone."""
+        """Each backend's KV usage once what the gateway sent there is admitted: vLLM's last report,
+        plus the context the gateway has placed there (or released) since and the prompts it had queued
+        there then (they held no KV yet), over the KV cache's size. Between two scrapes, or while
+        prompts queue, the report alone is the same for every request, and a policy that picks the
+        emptiest cache by it sends them all to one backend; where the size is not known, the report
+        alone. (Queued prompts count their uncached tokens, the rest their whole context: a ranking,
+        not an exact count.)"""
         known = self.kv_capacity_tokens > 0
         if not known.any():
             return self.kv_usage
         size = np.where(known, self.kv_capacity_tokens, 1.0)
-        grown = (self.context_tokens - self.context_when_reported) / size
+        grown = (self.context_tokens - self.context_when_reported + self.prefill_when_reported) / size
         return np.where(known, np.maximum(self.kv_usage + grown, 0.0), self.kv_usage)
 
     def surviving_cached(self) -> np.ndarray:
@@ -185,6 +191,8 @@ class Candidates:
             kv_usage=col("kv_usage"),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
             cache_survival=np.ones(n),
+            prefill_when_reported=col("prefill_tokens"),  # a fresh report
+            kv_capacity_tokens=np.zeros(n),
             now=now,
             **columns,
         )

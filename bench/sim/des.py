@@ -435,6 +435,7 @@ class Replay:
             kv_due_rows=due_rows,
             kv_due_s=due_s,
             now=now,
+            prefill_when_reported=stats[3].copy(),  # its report is always fresh
             kv_capacity_tokens=self.kv_capacity.copy(),
         )
 

@@ -426,6 +426,12 @@ def test_kv_usage_now_adds_the_context_placed_since_the_report(work: bool):
     legs[0].release()
     usage = reg.candidates(reg.pools["m"], work=work).kv_usage_now()
     assert usage == pytest.approx([0.1, 0.1])
+    # A prompt still queued when vLLM reports holds no KV in that report: it counts on top of it.
+    queued = reg.reserve(a, LegLoad(prefill_tokens=300, decode_tokens=8, context_tokens=400))
+    a.report(VllmLoad(kv_usage=0.1, kv_capacity_tokens=1000))
+    assert reg.candidates(reg.pools["m"], work=work).kv_usage_now()[0] == pytest.approx(0.4)
+    queued.release()
+    assert reg.candidates(reg.pools["m"], work=work).kv_usage_now()[0] == pytest.approx(0.0)
 
 
 def test_prefix_spreads_requests_with_no_affinity_between_two_scrapes():
