@@ -107,8 +107,8 @@ class BackendState:
         now = self.own_counts()
         seen = now if own_before is None else map(max, own_before, now)
         self._load = load
-        reported = (load.running, load.waiting, load.kv_usage, *map(float, seen), load.kv_capacity_tokens)
-        self.reported = reported
+        self.reported = (load.running, load.waiting, load.kv_usage, *map(float, seen),
+                         load.kv_capacity_tokens)  # fmt: skip
         r = self.reserved
         self.survival.observe(load.prefix_hits, load.prefix_queries, r.indexed_tokens, r.queried_tokens)
         self.version += 1
@@ -244,7 +244,7 @@ class ModelPool:
         n = len(self.backends)
         own = self._own_rows()
         reported = self._reported_rows()
-        # The one load formula, as the simulator uses it; without `work`, its request counts alone.
+        # The one load formula, as the simulator uses it; without `work`, its request counts and context.
         if work:
             head = own[5:10]
             columns = load_columns(own[0], *reported[:2], *own[1:5], seen=reported[3:7], head=head, now=now)
