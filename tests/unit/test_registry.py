@@ -12,7 +12,8 @@ from gateway.config import parse_config
 from gateway.outlier import Verdict
 from gateway.registry import HealthEvent, Registry
 from gateway.stats import VllmLoad
-from scoring.types import BackendStats, Candidates, LegLoad
+from scoring.prefix import CacheAware
+from scoring.types import BackendStats, Candidates, LegLoad, RequestFeatures
 
 LOAD = LegLoad(prefill_tokens=0, decode_tokens=1, context_tokens=0)
 
@@ -437,9 +438,6 @@ def test_kv_usage_now_adds_the_context_placed_since_the_report(work: bool):
 def test_prefix_spreads_requests_with_no_affinity_between_two_scrapes():
     """`prefix` sends a request no backend has cached to the emptiest KV cache. By the report alone,
     every such request until the next scrape went to the same backend (docs/policies.md, 33rd pass)."""
-    from scoring.prefix import CacheAware
-    from scoring.types import RequestFeatures
-
     reg, _ = registry(Clock(), n=3)
     pool = reg.pools["m"]
     for backend, usage in zip(reg.backends.values(), (0.10, 0.12, 0.25), strict=True):
