@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -50,6 +51,7 @@ from bench.policies import (
 )
 from bench.ports import free_port
 from bench.sim.server import SimProcess
+from bench.sim.tokenizer import write_tokenizer_json
 from bench.workloads import WorkloadRequest
 from gateway.decision import SESSION_HEADER
 
@@ -79,12 +81,22 @@ def sim_args(
 
 
 def gateway_config(
-    cluster: Cluster, urls: Sequence[str], policy: str, kv_events_ports: Sequence[int] = ()
+    cluster: Cluster,
+    urls: Sequence[str],
+    policy: str,
+    kv_events_ports: Sequence[int] = (),
+    tokenizer: Path | None = None,
 ) -> dict[str, Any]:
     """hetgate's config for the sims at `urls`; with `kv_events_ports` (one per sim), a precise prefix index
-    fed by their KV events, as the simulator's router sees the engines' caches."""
+    fed by their KV events, as the simulator's router sees the engines' caches. `tokenizer`: the sims'
+    (`write_tokenizer_json`), so text prompts are counted and hashed as the sims tokenize them; without
+    it the gateway estimates ~4 characters a token (the workloads' words take 6.5) and its text hashes
+    never meet the events' token hashes."""
     name, _, split = policy.partition("/")
     config = cluster.config.model_dump(mode="json", exclude_none=True)
+    if tokenizer is not None:
+        for model in config["models"]:
+            model["tokenizer"] = str(tokenizer)
     for backend, url in zip(config["backends"], urls, strict=True):
         backend["url"] = url
     for backend, port in zip(config["backends"], kv_events_ports, strict=False):
@@ -237,7 +249,10 @@ def run_http(
             list(pool.map(SimProcess.start, sims))
         urls = [s.url for s in sims]
         if target is None:
-            gateway = stack.enter_context(GatewayProcess(gateway_config(cluster, urls, policy, events)))
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            tokenizer = write_tokenizer_json(folder / "tokenizer.json")
+            config = gateway_config(cluster, urls, policy, events, tokenizer)
+            gateway = stack.enter_context(GatewayProcess(config))
             front = gateway.url
         elif _is_url(target[1]):
             front = target[1].rstrip("/")

@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -106,6 +107,27 @@ class SimTokenizer:
         if add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
+
+
+def write_tokenizer_json(path: Path) -> Path:
+    """The vocabulary words as a `tokenizers` WordLevel `tokenizer.json`, as a vLLM model folder holds
+    one, so a gateway given it counts and hashes text prompts as the simulator does (`hetgate bench
+    policies --http` with text prompts: the workloads' text is vocabulary words). A word outside the
+    vocabulary reads as `<|endoftext|>` there, where the simulator hashes it to an id of its own."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {word: i for i, word in enumerate(_build_vocab()[:_HASHED_BASE])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
+    # _TOKEN_RE's pieces: words, newlines and punctuation; other white space separates them only.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
+            pre_tokenizers.Split(Regex(r"\w+|\n|[^\w\s]"), behavior="isolated"),
+        ]
+    )
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.save(str(path))
+    return path
 
 
 def message_text(content: Any) -> str:
