@@ -26,8 +26,7 @@ from gateway.stats import VllmLoad
 from scoring.load import CacheSurvival, Reserved, kv_due_columns, load_columns, request_load
 from scoring.types import BackendSpec, Candidates, LegLoad, Role
 
-OwnCounts = tuple[int, int, int, int, int]  # `BackendState.own_counts`
-_REPORTED_ROWS = 9  # `BackendState.reported`
+OwnCounts = tuple[int, int, int, int]  # `BackendState.own_counts`
 
 
 class HealthEvent(Enum):
@@ -79,9 +78,9 @@ class BackendState:
         self.version = 0
         self.busy_until = 0.0  # answered 429/503 (backpressure): tried last until then (decision.demote)
         self._load = VllmLoad()
-        # What `ModelPool.candidates` reads of the last report: running, waiting, KV usage, the own
-        # counts when it was reported (`report`), then the KV cache's size in tokens.
-        self.reported: tuple[float, ...] = (0.0,) * _REPORTED_ROWS
+        # What `ModelPool.candidates` reads of the last report: running, waiting, KV usage, then the
+        # own counts when it was reported (`report`).
+        self.reported: tuple[float, ...] = (0.0,) * 7
 
     @property
     def id(self) -> str:
@@ -94,11 +93,9 @@ class BackendState:
 
     def own_counts(self) -> OwnCounts:
         """The gateway's own view of this backend, as `load_columns`' `seen` takes it: legs in flight
-        (this process's and other replicas'), legs still to prefill, sequences decoding, their context;
-        then the prompt tokens still to prefill (`Candidates.prefill_when_reported`)."""
+        (this process's and other replicas'), legs still to prefill, sequences decoding, their context."""
         r = self.reserved
-        in_flight = self.in_flight + self.remote_in_flight
-        return (in_flight, r.prefill_seqs, r.decode_seqs, r.context_tokens, r.prefill_tokens)
+        return (self.in_flight + self.remote_in_flight, r.prefill_seqs, r.decode_seqs, r.context_tokens)
 
     def report(self, load: VllmLoad, own_before: OwnCounts | None = None) -> None:
         """vLLM's counts as scraped, with the gateway's own counts at the time (`load_columns`' `seen`):
@@ -107,8 +104,7 @@ class BackendState:
         now = self.own_counts()
         seen = now if own_before is None else map(max, own_before, now)
         self._load = load
-        self.reported = (load.running, load.waiting, load.kv_usage, *map(float, seen),
-                         load.kv_capacity_tokens)  # fmt: skip
+        self.reported = (load.running, load.waiting, load.kv_usage, *map(float, seen))
         r = self.reserved
         self.survival.observe(load.prefix_hits, load.prefix_queries, r.indexed_tokens, r.queried_tokens)
         self.version += 1
@@ -183,7 +179,7 @@ class ModelPool:
         self._can_decode = np.array([Role.DECODE in s.roles for s in self.specs], dtype=bool)
         self._capacity = np.array([s.max_num_seqs for s in self.specs], dtype=float)
         self._reports: list[tuple[float, ...]] = []
-        self._reported = np.zeros((_REPORTED_ROWS, len(backends)))
+        self._reported = np.zeros((7, len(backends)))
         self._versions = [-1] * len(backends)  # each backend's `version` when `_own` last read it
         self._own = np.zeros((_OWN_ROWS, len(backends)))
         # Split decode legs due on each backend (`kv_due_columns`, on the clock's absolute times), reread
@@ -202,13 +198,13 @@ class ModelPool:
         return np.array(available, dtype=bool)
 
     def _reported_rows(self) -> np.ndarray:
-        """vLLM's last reports as rows (`BackendState.reported`: running, waiting, KV usage, the own
-        counts when each was reported, the KV cache's size), rebuilt only when a report has come in
-        since the last call: a report comes once per scrape, a routing decision on every request."""
+        """vLLM's last reports as rows (`BackendState.reported`: running, waiting, KV usage, then the own
+        counts when each was reported), rebuilt only when a report has come in since the last call: a
+        report comes once per scrape, a routing decision on every request."""
         reports = [b.reported for b in self.backends]
         if reports != self._reports:  # the same tuples compare by identity, without their values
             self._reports = reports
-            self._reported = np.array(reports, dtype=float).reshape(len(reports), _REPORTED_ROWS).T.copy()
+            self._reported = np.array(reports, dtype=float).reshape(len(reports), 7).T.copy()
         return self._reported
 
     def _own_rows(self) -> np.ndarray:
@@ -239,19 +235,18 @@ class ModelPool:
         self, now: float, cached_tokens: np.ndarray | None = None, work: bool = True
     ) -> Candidates:
         """The routing snapshot. Without `work` (a router that does not read the work columns, see
-        `Ranker.uses_work`) only the request counts and the context are computed, the other work
-        columns are zero."""
+        `Ranker.uses_work`) only the request counts are computed and the work columns are zero."""
         n = len(self.backends)
         own = self._own_rows()
         reported = self._reported_rows()
-        # The one load formula, as the simulator uses it; without `work`, its request counts and context.
+        # The one load formula, as the simulator uses it; without `work`, its request counts alone.
         if work:
             head = own[5:10]
-            columns = load_columns(own[0], *reported[:2], *own[1:5], seen=reported[3:7], head=head, now=now)
+            columns = load_columns(own[0], *reported[:2], *own[1:5], seen=reported[3:], head=head, now=now)
             rows_due, due_at = self._kv_due
             columns.update(kv_due_rows=rows_due, kv_due_s=due_at - now)
         else:
-            columns = _counts_only(own, reported)
+            columns = _counts_only(own[0], reported)
         return Candidates(
             specs=self.specs,
             healthy=self.routable(now),
@@ -259,8 +254,6 @@ class ModelPool:
             can_decode=self._can_decode,
             capacity=self._capacity,
             kv_usage=reported[2].copy(),
-            prefill_when_reported=reported[7].copy(),
-            kv_capacity_tokens=reported[8].copy(),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
             cache_survival=own[10].copy(),
             now=now,
@@ -268,14 +261,12 @@ class ModelPool:
         )
 
 
-def _counts_only(own: np.ndarray, reported: np.ndarray) -> dict[str, np.ndarray]:
-    """`load_columns` for routers that read no work columns (see ModelPool.candidates): the request
-    counts, and the gateway's own context now and when vLLM last reported, so that
-    `Candidates.kv_usage_now` holds (`load_columns` adds other clients' context to both alike)."""
-    zero = np.zeros(own.shape[1])
-    zeros = ("prefill_len", "decode_seqs", "step_tokens", "step_elapsed", "step_behind")
-    return {"load": request_load(own[0], *reported[:2], in_flight_seen=reported[3]),
-            "context_tokens": own[4].copy(), "context_when_reported": reported[6].copy(),
+def _counts_only(in_flight: np.ndarray, reported: np.ndarray) -> dict[str, np.ndarray]:
+    """`load_columns` for routers that read only `load` (see ModelPool.candidates)."""
+    zero = np.zeros(len(in_flight))
+    zeros = ("prefill_len", "decode_seqs", "context_tokens", "context_when_reported", "step_tokens",
+             "step_elapsed", "step_behind")  # fmt: skip
+    return {"load": request_load(in_flight, *reported[:2], in_flight_seen=reported[3]),
             "prefill_tokens": zero, **{name: zero.copy() for name in zeros}}  # fmt: skip
 
 

@@ -209,7 +209,6 @@ class CostRanker(SimpleRanker):
     name = "cost"
     uses_prefix_index = True
     uses_work = True
-    ranks_decode = True
     judges_split = True
     learns = True
     replans = True  # where new conversations decode: `scoring.conversations`

@@ -14,12 +14,13 @@ eligible backends:
 2. **Otherwise, cache affinity.** The match rate is the share of the prompt the best holder has cached
    *beyond what every eligible backend holds*. If it exceeds `cache_threshold`, the request goes to that
    holder (several equal holders: the least loaded of them).
-3. **Otherwise, the emptiest cache.** SGLang sends it to the worker with the smallest tree (the one
-   holding least, so it has room and gains most from a new prefix); here the backend with the lowest KV
-   cache usage, ties by load, then rotating. SGLang's tree grows at each decision; vLLM's usage is
-   scraped (every second by default), so the usage counted is the last report plus the context sent
-   there since, over the cache's size (`Candidates.kv_usage_now`): by the report alone, every request
-   between two scrapes went to the same backend (docs/policies.md, thirty-third pass).
+3. **Otherwise, the least loaded.** The version hetgate is measured against (sglang-router 0.3.2, the
+   SGLang model gateway's `select_worker_with_text`) sends it to the worker with the fewest requests in
+   flight; equal loads go to the first in the configured order, as Rust's `min_by_key` returns the
+   first minimum. Earlier SGLang routers sent it to the smallest tree (`get_smallest_tenant`); the
+   0.3.2 binary has no such rule. Ranked here before by vLLM's KV usage, the policy sent most new
+   prompts to the backend that frees its KV first (a B200 beside two H100s took 103 of 150, where
+   sglang-router sent it 58-60; docs/policies.md, thirty-fourth pass).
 
 Where this differs from SGLang, and why: SGLang's match rate counts every matched character, so when every
 worker holds a shared system prompt the match passes the threshold and the tree's first holder takes the
@@ -27,21 +28,29 @@ request; on real traffic, where every conversation starts with the same block, t
 server. Counting only what the holder has *beyond the common part* keeps SGLang's rule for real affinity
 and spreads requests whose only shared part is everywhere.
 
-The rest of the ranking (the proxy's fallbacks) is least-load order. In a split, SGLang's P/D router picks
-the prefill worker cache-aware and the decode worker by least load; so does this policy (`rank_decode`).
+The rest of the ranking (the proxy's fallbacks) is least-load order, ties in the configured order. In a
+split, SGLang's P/D router picks both workers with this policy, each over its own pool (sgl-router
+`create_pd_router`: the prefill and decode policies default to the main one): the decode backend is the
+cache-aware choice among those that may decode, so a conversation's next turn decodes where its last one
+left its KV, and under `auto` is served whole there when it lacks fewer than `pd_min_prompt_tokens`
+(llm-d's prefix-based P/D decider). Picked by least load instead, the decoder was rarely the holder, so
+`auto` split nearly every later turn and shipped its whole context (docs/policies.md, thirty-fourth pass).
 
 The knobs (SGLang's defaults)
 -----------------------------
 - `cache_threshold` (0.3): the share of the prompt a holder must have beyond the common part.
 - `balance_abs_threshold` (64 requests) and `balance_rel_threshold` (1.5): both must be exceeded for the
   cluster to count as imbalanced.
+
+Its load is `Candidates.load`: the gateway's requests in flight there, plus what vLLM reports beyond
+them (other clients'), as SGLang's router counts what it has in flight.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from scoring.router import Rotation, SimpleRanker, least_load_order
+from scoring.router import SimpleRanker
 from scoring.types import Candidates, RequestFeatures
 
 
@@ -58,7 +67,6 @@ class CacheAware(SimpleRanker):
 
     name = "prefix"
     uses_prefix_index = True
-    ranks_decode = True
 
     def __init__(
         self,
@@ -73,25 +81,22 @@ class CacheAware(SimpleRanker):
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self._rotate = Rotation()
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        order = least_load_order(self._rotate(mask.nonzero()[0]), candidates)
+        eligible = mask.nonzero()[0]
+        order = eligible[np.argsort(candidates.load[eligible], kind="stable")]  # least loaded, then first
         if order.size < 2:
             return order
         first = self._first(request, candidates, order)
         return np.concatenate(([first], order[order != first]))
 
-    def rank_decode(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        return least_load_order(self._rotate(mask.nonzero()[0]), candidates)
-
     def _first(self, request: RequestFeatures, candidates: Candidates, order: np.ndarray) -> int:
-        """`order` is least-load first (ties rotated), so each argmax/argmin below breaks ties by load."""
-        load = candidates.load[order]
-        if imbalanced(load, self.balance_abs_threshold, self.balance_rel_threshold):
+        """`order` is least-load first (ties in the configured order), so the argmax below breaks ties
+        by load."""
+        if imbalanced(candidates.load[order], self.balance_abs_threshold, self.balance_rel_threshold):
             return int(order[0])
         cached = candidates.cached_tokens[order]
         beyond = cached - cached.min()
         if request.prompt_tokens > 0 and beyond.max() / request.prompt_tokens > self.cache_threshold:
             return int(order[int(cached.argmax())])
-        return int(order[int(candidates.kv_usage_now()[order].argmin())])
+        return int(order[0])

@@ -36,11 +36,8 @@ class Ranker(Protocol):
     - `uses_prefix_index`: it reads `Candidates.cached_tokens` (the gateway and the simulator look the
       prompt up in the prefix index only for such policies);
     - `uses_work`: it reads the work columns of `Candidates` (`prefill_tokens`, `prefill_len`,
-      `decode_seqs`, ...); for the others the registry leaves them zero, which saves the request path
-      the load formula's numpy work (see `gateway/registry.py`), all but the context columns that
-      `Candidates.kv_usage_now` reads;
-    - `ranks_decode`: `rank_decode` orders decode backends for a split by its own measure (otherwise
-      the aggregated order is used);
+      `decode_seqs`, `context_tokens`); for the others the registry leaves them zero, which saves the
+      request path the load formula's numpy work (see `gateway/registry.py`);
     - `judges_split`: `choose` prices whole plans (aggregated on b; prefill on p, decode on d) and
       returns the plan itself; `PlanningRouter` then only hands it the split setting;
     - `learns`: `observe` corrects the policy with measured outcomes (otherwise it does nothing);
@@ -53,17 +50,12 @@ class Ranker(Protocol):
     name: str
     uses_prefix_index: bool
     uses_work: bool
-    ranks_decode: bool
     judges_split: bool
     learns: bool
     split_gate_tokens: int
     replans: bool
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray: ...
-
-    def rank_decode(
-        self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray
-    ) -> np.ndarray: ...
 
     def choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan: ...
 
@@ -118,12 +110,11 @@ def rotated(indices: np.ndarray, turn: int) -> np.ndarray:
 
 
 class SimpleRanker:
-    """Defaults for rankers that only `rank`: no prefix index, no decode ranking, no plans, no learning."""
+    """Defaults for rankers that only `rank`: no prefix index, no plans, no learning."""
 
     name = ""
     uses_prefix_index = False
     uses_work = False
-    ranks_decode = False
     judges_split = False
     learns = False
     replans = False
@@ -132,9 +123,6 @@ class SimpleRanker:
 
     def rank(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
         raise NotImplementedError
-
-    def rank_decode(self, request: RequestFeatures, candidates: Candidates, mask: np.ndarray) -> np.ndarray:
-        return self.rank(request, candidates, mask)
 
     def choose(self, request: RequestFeatures, candidates: Candidates, split: SplitSettings) -> RoutePlan:
         raise NotImplementedError(f"{self.name} does not price plans")
@@ -221,7 +209,7 @@ class PlanningRouter:
     def _maybe_split(
         self, request: RequestFeatures, candidates: Candidates, aggregated: tuple[int, ...]
     ) -> RoutePlan:
-        decodes = self._decode_order(request, candidates, aggregated)
+        decodes = self._decode_order(candidates, aggregated)
         decode = decodes[0]
         prefill_mask = candidates.healthy & candidates.can_prefill
         prefill_mask[decode] = False
@@ -234,17 +222,12 @@ class PlanningRouter:
         prefill = tuple(self.prefill_ranker.rank(request, candidates, prefill_mask).tolist())
         return RoutePlan(mode=Mode.PD, aggregated=aggregated, prefill=prefill, decode=decodes, reason="split")
 
-    def _decode_order(
-        self, request: RequestFeatures, candidates: Candidates, aggregated: tuple[int, ...]
-    ) -> tuple[int, ...]:
-        """Decode backends best-first: by the ranker's own decode measure when it has one (`prefix`:
-        least load, as SGLang's cache-aware P/D pair), else in the aggregated order (decode is picked
-        first, like llm-d, so a decode backend that holds the prefix keeps it)."""
-        if self.ranker.ranks_decode:
-            mask = candidates.healthy & candidates.can_decode
-            order = tuple(self.ranker.rank_decode(request, candidates, mask).tolist())
-        else:
-            order = tuple(i for i in aggregated if candidates.can_decode[i])
+    @staticmethod
+    def _decode_order(candidates: Candidates, aggregated: tuple[int, ...]) -> tuple[int, ...]:
+        """Decode backends best-first, in the aggregated order: decode is picked first, like llm-d and
+        SGLang's P/D router (its decode policy is the main one), so a decode backend that holds the
+        prefix keeps it."""
+        order = tuple(i for i in aggregated if candidates.can_decode[i])
         return order or aggregated
 
     def observe(self, outcome: Outcome) -> None:

@@ -109,11 +109,6 @@ class Candidates:
     # `context_tokens` as it was when vLLM's `kv_usage` was reported: what the KV usage says beyond it is
     # other clients' context (`WorkModel.context`).
     context_when_reported: np.ndarray
-    # The prompt tokens the gateway had reserved to prefill there when the KV usage was reported: queued
-    # prompts, which held no KV then (`kv_usage_now`).
-    prefill_when_reported: np.ndarray
-    # Tokens each backend's KV cache holds, as vLLM reports it (0: not known).
-    kv_capacity_tokens: np.ndarray
     # The engine step in progress, as far as the gateway knows (`scoring.load.Reserved`): the prompt
     # tokens in it (part of `prefill_tokens`; 0: none known), the seconds since it was known to begin,
     # and the decode steps it waited for then (0.5: planned to an idle queue beside running decodes).
@@ -134,21 +129,6 @@ class Candidates:
 
     def __len__(self) -> int:
         return len(self.specs)
-
-    def kv_usage_now(self) -> np.ndarray:
-        """Each backend's KV usage once what the gateway sent there is admitted: vLLM's last report,
-        plus the context the gateway has placed there (or released) since and the prompts it had queued
-        there then (they held no KV yet), over the KV cache's size. Between two scrapes, or while
-        prompts queue, the report alone is the same for every request, and a policy that picks the
-        emptiest cache by it sends them all to one backend; where the size is not known, the report
-        alone. (Queued prompts count their uncached tokens, the rest their whole context: a ranking,
-        not an exact count.)"""
-        known = self.kv_capacity_tokens > 0
-        if not known.any():
-            return self.kv_usage
-        size = np.where(known, self.kv_capacity_tokens, 1.0)
-        grown = (self.context_tokens - self.context_when_reported + self.prefill_when_reported) / size
-        return np.where(known, np.maximum(self.kv_usage + grown, 0.0), self.kv_usage)
 
     def surviving_cached(self) -> np.ndarray:
         """The prompt tokens each backend is expected to still hold when the request is admitted:
@@ -191,8 +171,6 @@ class Candidates:
             kv_usage=col("kv_usage"),
             cached_tokens=np.zeros(n, dtype=np.int64) if cached_tokens is None else cached_tokens,
             cache_survival=np.ones(n),
-            prefill_when_reported=col("prefill_tokens"),  # a fresh report
-            kv_capacity_tokens=np.zeros(n),
             now=now,
             **columns,
         )

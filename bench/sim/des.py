@@ -234,8 +234,6 @@ class Replay:
         # The fixed columns of Candidates once; the live ones per engine as it changes, then the load
         # formula over all of them (`scoring.load.load_columns`, as the registry does).
         self.base = Candidates.build(sim.specs, tuple(BackendStats() for _ in range(n)))
-        configs = [e.config for e in sim.engines]
-        self.kv_capacity = np.array([c.num_gpu_blocks * c.block_size for c in configs], dtype=float)
         # in_flight, running, waiting, prefill tokens and seqs, decode seqs, context, kv_usage, and the
         # prompt in progress (`Reserved`: head tokens, since, predicted seconds; the step's tokens and
         # the decode steps it waited for)
@@ -435,8 +433,6 @@ class Replay:
             kv_due_rows=due_rows,
             kv_due_s=due_s,
             now=now,
-            prefill_when_reported=stats[3].copy(),  # its report is always fresh
-            kv_capacity_tokens=self.kv_capacity.copy(),
         )
 
     def _stats_row(self, k: int) -> tuple[float, ...]:

@@ -92,9 +92,9 @@ def test_prefix_policy_finds_more_cache_hits_than_round_robin() -> None:
 
 
 def test_prefix_spreads_a_burst_that_queues_before_it_holds_any_kv() -> None:
-    """Prompts no backend holds go to the emptiest KV cache. A burst's prompts queue before they hold
-    any KV, so by vLLM's usage alone they herded onto one backend (SGLang's tree grows at each
-    decision): here seven of the eight onto b0, whose step in progress kept them waiting."""
+    """Prompts no backend holds go to the least loaded. A burst's prompts queue before they hold any KV,
+    so by vLLM's usage they herded onto one backend: here seven of the eight onto b0, whose step in
+    progress kept them waiting. Counted as requests in flight, each one counts where it went."""
     early = w.fixed_lengths(1, 512, 4000, name="early")  # b0 holds a long decode's KV
     burst = [dataclasses.replace(r, arrival_s=0.5) for r in w.fixed_lengths(8, 2000, 8, name="burst")]
     result = Simulation(MODEL, backends(BOTH, BOTH), build_router("prefix")).run(early + burst)
@@ -188,7 +188,7 @@ def test_candidates_match_a_registry_build_of_the_live_stats() -> None:
         def plan(self, request: RequestFeatures, candidates: Candidates) -> RoutePlan:
             built = Candidates.build(candidates.specs, replay.live_stats(), candidates.cached_tokens)
             columns = ("healthy", "can_prefill", "can_decode", "load", "capacity", "kv_usage")
-            work = ("prefill_tokens", "prefill_len", "decode_seqs", "context_tokens", "prefill_when_reported")
+            work = ("prefill_tokens", "prefill_len", "decode_seqs", "context_tokens")
             for column in columns + work:
                 np.testing.assert_array_equal(getattr(candidates, column), getattr(built, column))
             checked.append(built.load.sum())

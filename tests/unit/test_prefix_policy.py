@@ -43,8 +43,8 @@ CASES = [
     ("imbalanced cluster: least load, cache ignored", [900, 0, 0], [100, 10, 20], None, 1),
     ("abs skew alone keeps affinity", [900, 0, 0], [70, 10, 10], None, 0),  # 60 <= 64
     ("rel skew alone keeps affinity", [900, 0, 0], [300, 250, 260], None, 0),  # 300 < 1.5 * 250
-    ("no affinity: emptiest cache", [0, 0, 0], [0, 0, 0], [0.5, 0.2, 0.4], 1),
-    ("no affinity: kv ties broken by load", [0, 0, 0], [3, 1, 2], [0.2, 0.2, 0.2], 1),
+    ("no affinity: the least loaded, whatever its KV usage", [0, 0, 0], [3, 1, 2], [0.1, 0.9, 0.2], 1),
+    ("no affinity, equal loads: the first configured", [0, 0, 0], [2, 0, 0], [0.1, 0.9, 0.2], 1),
 ]
 
 
@@ -60,7 +60,7 @@ def test_beyond_common_share_threshold() -> None:
     # 900 vs 500 everywhere else: 400 / 1000 = 0.4 beyond the common part, > 0.3.
     cands = candidates([900, 500, 500], [5, 0, 0])
     assert CacheAware().rank(REQUEST, cands, cands.healthy)[0] == 0
-    # 700 vs 500: 0.2 beyond, not enough: the emptiest cache (all 0) then least load.
+    # 700 vs 500: 0.2 beyond, not enough: the least loaded.
     cands = candidates([700, 500, 500], [5, 0, 1])
     assert CacheAware().rank(REQUEST, cands, cands.healthy)[0] == 1
 
@@ -78,12 +78,42 @@ def test_unhealthy_and_prefill_only_backends_are_skipped() -> None:
     assert plan.aggregated[0] == 1 and 0 not in plan.aggregated
 
 
-def test_split_picks_prefill_cache_aware_and_decode_least_loaded() -> None:
+def test_split_picks_prefill_and_decode_cache_aware_each_in_its_pool() -> None:
     router = build_router("prefix", "always")
     plan = router.plan(REQUEST, candidates([0, 900, 0, 0], [0, 0, 5, 1], roles=[P, P, D, D]))
     assert plan.mode is Mode.PD
     assert plan.prefill[0] == 1
-    assert plan.decode[0] == 3
+    assert plan.decode[0] == 3  # neither decoder holds any of it: the emptiest cache, ties by load
+    # SGLang's P/D router ranks the decode pool with the main policy too: the holder decodes, busy or not.
+    plan = router.plan(REQUEST, candidates([0, 900, 900, 0], [0, 0, 5, 1], roles=[P, P, D, D]))
+    assert (plan.prefill[0], plan.decode[0]) == (1, 2)
+
+
+def test_no_affinity_goes_to_the_least_loaded_not_the_emptiest_cache() -> None:
+    """sglang-router 0.3.2 sends a prompt no worker holds enough of to the fewest requests in flight,
+    ties to the first worker. Ranked by vLLM's KV usage, a backend that frees its KV at once (usage 0)
+    took every request until the next report; by load, each request counts where it went."""
+    policy = CacheAware()
+    load = [0, 0, 0]
+    chosen = []
+    for _ in range(6):
+        cands = candidates([0, 0, 0], load, kv=[0.0, 0.5, 0.5])
+        first = int(policy.rank(REQUEST, cands, cands.healthy)[0])
+        load[first] += 1
+        chosen.append(first)
+    assert chosen == [0, 1, 2, 0, 1, 2]
+
+
+def test_auto_serves_a_conversations_next_turn_whole_where_it_is_cached() -> None:
+    """Under `auto` the split is judged on the decoder the policy picks (llm-d's prefix-based decider):
+    the holder lacks only the new turn, so it serves the turn whole. A decoder picked by least load
+    lacked the whole context, and the turn was split off and its context shipped."""
+    router = build_router("prefix", "auto")
+    turn = RequestFeatures(model="m", prompt_tokens=4000, max_tokens=16)
+    plan = router.plan(turn, candidates([3500, 0, 0], [5, 0, 1]))
+    assert (plan.mode, plan.aggregated[0], plan.reason) == (Mode.AGGREGATED, 0, "short_prompt")
+    fresh = router.plan(turn, candidates([0, 0, 0], [5, 0, 1]))  # held nowhere: split, decode on the emptiest
+    assert (fresh.mode, fresh.decode[0]) == (Mode.PD, 1)
 
 
 @pytest.mark.parametrize(

@@ -176,15 +176,15 @@ def test_load_counts_a_queued_request_once():
 
 
 @pytest.mark.parametrize(
-    ("policy", "prefix", "decode", "split", "learns"),
+    ("policy", "prefix", "split", "learns"),
     [
-        ("round_robin", False, False, False, False),
-        ("least_load", False, False, False, False),
-        ("prefix", True, True, False, False),
+        ("round_robin", False, False, False),
+        ("least_load", False, False, False),
+        ("prefix", True, False, False),
     ],
 )
-def test_policies_declare_what_they_use(policy, prefix, decode, split, learns):
+def test_policies_declare_what_they_use(policy, prefix, split, learns):
     ranker = build_router(policy).ranker
-    assert (ranker.uses_prefix_index, ranker.ranks_decode, ranker.judges_split, ranker.learns) == (
-        prefix, decode, split, learns,
+    assert (ranker.uses_prefix_index, ranker.judges_split, ranker.learns) == (
+        prefix, split, learns,
     )  # fmt: skip

@@ -93,14 +93,3 @@ def test_cutter_passes_on_the_whole_events_before_one_that_never_ends():
     assert cutter.overflowed and not cutter.done
     with pytest.raises(EventTooLarge):
         cutter.feed(b"more")
-
-
-def test_parse_reads_the_kv_cache_size_from_the_cache_config_info_of_every_engine():
-    info = (
-        'vllm:cache_config_info{{block_size="16",engine="{e}",num_gpu_blocks="{n}",'
-        'num_gpu_blocks_override="None"}} 1.0\n'
-    )
-    assert parse_vllm_metrics(info.format(e=0, n=100) + info.format(e=1, n=50)).kv_capacity_tokens == 2400.0
-    # Before an engine has profiled its memory vLLM writes "None"; older pages have no such gauge.
-    assert parse_vllm_metrics(info.format(e=0, n="None")).kv_capacity_tokens == 0.0
-    assert parse_vllm_metrics(METRICS).kv_capacity_tokens == 0.0
