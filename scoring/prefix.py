@@ -33,8 +33,9 @@ split, SGLang's P/D router picks both workers with this policy, each over its ow
 `create_pd_router`: the prefill and decode policies default to the main one): the decode backend is the
 cache-aware choice among those that may decode, so a conversation's next turn decodes where its last one
 left its KV, and under `auto` is served whole there when it lacks fewer than `pd_min_prompt_tokens`
-(llm-d's prefix-based P/D decider). Picked by least load instead, the decoder was rarely the holder, so
-`auto` split nearly every later turn and shipped its whole context (docs/policies.md, thirty-fourth pass).
+(llm-d's prefix-based P/D decider). Where every backend may prefill, a turn that lacks more than that is
+still split, and the holder cannot prefill it: another backend prefills it whole (docs/policies.md,
+thirty-fourth pass: `auto` stays below `never` there).
 
 The knobs (SGLang's defaults)
 -----------------------------
