@@ -33,9 +33,11 @@ split, SGLang's P/D router picks both workers with this policy, each over its ow
 `create_pd_router`: the prefill and decode policies default to the main one): the decode backend is the
 cache-aware choice among those that may decode, so a conversation's next turn decodes where its last one
 left its KV, and under `auto` is served whole there when it lacks fewer than `pd_min_prompt_tokens`
-(llm-d's prefix-based P/D decider). Where every backend may prefill, a turn that lacks more than that is
-still split, and the holder cannot prefill it: another backend prefills it whole (docs/policies.md,
-thirty-fourth pass: `auto` stays below `never` there).
+(llm-d's prefix-based P/D decider). Where every backend may prefill, a turn that lacks more than that
+is served whole on its holder too, since another backend would prefill from scratch what the holder
+has (`PlanningRouter._split_adds_prefill`; neither SGLang nor llm-d runs a backend in both pools, so
+neither has a rule to copy). `auto` still loses to `never` where new prompts are split between
+backends that may all do both (docs/policies.md, thirty-fifth pass).
 
 The knobs (SGLang's defaults)
 -----------------------------

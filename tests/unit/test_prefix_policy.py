@@ -116,6 +116,20 @@ def test_auto_serves_a_conversations_next_turn_whole_where_it_is_cached() -> Non
     assert (fresh.mode, fresh.decode[0]) == (Mode.PD, 1)
 
 
+def test_auto_does_not_split_a_turn_off_a_holder_that_may_prefill_it() -> None:
+    """A turn that lacks more than the gate is split only onto a prefill backend holding as much of it
+    as the decoder; else the split prefills from scratch what the decoder holds, and the turn is served
+    whole there. A decode-only holder keeps its role, and a prefix every backend holds splits as before."""
+    router = build_router("prefix", "auto")
+    turn = RequestFeatures(model="m", prompt_tokens=12000, max_tokens=16)
+    plan = router.plan(turn, candidates([8000, 0, 0], [5, 0, 1]))  # lacks 4,000 >= the 1,024 gate
+    assert (plan.mode, plan.aggregated[0], plan.reason) == (Mode.AGGREGATED, 0, "split_adds_prefill")
+    decode_only = router.plan(turn, candidates([8000, 0, 0], [5, 0, 1], roles=[D, BOTH, BOTH]))
+    assert (decode_only.mode, decode_only.decode[0], decode_only.prefill[0]) == (Mode.PD, 0, 1)
+    shared = router.plan(turn, candidates([8000, 8000, 0], [0, 0, 1]))
+    assert (shared.mode, shared.decode[0], shared.prefill[0]) == (Mode.PD, 0, 1)
+
+
 @pytest.mark.parametrize(
     ("load", "expected"),
     [
