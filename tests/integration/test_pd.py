@@ -100,3 +100,24 @@ def test_cost_policy_sends_long_prompts_to_the_compute_rich_backend(sim, gateway
     # The plan's own prices travel with it: a 2,000-word prompt's prefill takes milliseconds at least.
     for _, predicted in parts:
         assert predicted["predicted_ttft_ms"] > 1.0 and predicted["predicted_tpot_ms"] > 0.0
+
+
+def test_auto_serves_a_turn_whole_on_its_holder_when_a_split_would_prefill_it_from_scratch(sim, gateway):
+    """Both backends may do both roles. A conversation's first turn is short and is served whole on
+    b0; its next turn lacks more than the gate there, but b1 holds none of it: a split would prefill the
+    whole history again on b1, so the turn is served whole on b0 (`PlanningRouter._split_adds_prefill`).
+    A new prompt, held nowhere, is still split."""
+    sims = [sim(role="both"), sim(role="both")]
+    backends = [backend(s, f"b{i}", kv_connector="nixl") for i, s in enumerate(sims)]
+    routing = {"policy": "prefix", "disaggregation": "auto", "pd_min_prompt_tokens": 300}
+    gw = gateway(config(backends, routing=routing))
+    history = " ".join(f"h{j}" for j in range(200))
+    first = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(history), timeout=10)
+    assert first.headers["x-hetgate-route"].startswith("mode=aggregated; backend=b0")
+    turn = chat_body(history)
+    turn["messages"] += [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "w " * 800}]
+    second = httpx.post(f"{gw.url}/v1/chat/completions", json=turn, timeout=10)
+    assert second.status_code == 200
+    assert second.headers["x-hetgate-route"].startswith("mode=aggregated; backend=b0")
+    fresh = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("n " * 1600), timeout=10)
+    assert fresh.headers["x-hetgate-route"].startswith("mode=pd")
