@@ -350,7 +350,7 @@ class Proxy:
                     first_at = time.perf_counter()
                     ex.ttft_s = first_at - ex.started
                     if leg.reservation is not None:
-                        leg.reservation.prefill_done()
+                        leg.reservation.first_token()
                 if rewriter is not None:
                     whole = rewriter.rewrite_events(whole)
                 events += whole.count(b"data: ")

@@ -93,9 +93,10 @@ class BackendState:
 
     def own_counts(self) -> OwnCounts:
         """The gateway's own view of this backend, as `load_columns`' `seen` takes it: legs in flight
-        (this process's and other replicas'), legs still to prefill, sequences decoding, their context."""
+        (this process's and other replicas'), legs vLLM counts as waiting (`Reserved.waiting_seqs`),
+        sequences decoding, their context."""
         r = self.reserved
-        return (self.in_flight + self.remote_in_flight, r.prefill_seqs, r.decode_seqs, r.context_tokens)
+        return (self.in_flight + self.remote_in_flight, r.waiting_seqs, r.decode_seqs, r.context_tokens)
 
     def report(self, load: VllmLoad, own_before: OwnCounts | None = None) -> None:
         """vLLM's counts as scraped, with the gateway's own counts at the time (`load_columns`' `seen`):
@@ -128,7 +129,7 @@ class Reservation:
     release everything a request took without knowing which legs already gave their part back.
     """
 
-    __slots__ = ("_clock", "_open", "_prefilling", "backend", "load")
+    __slots__ = ("_arriving", "_clock", "_open", "_prefilling", "backend", "load")
 
     def __init__(self, backend: BackendState, load: LegLoad, clock: Callable[[], float]) -> None:
         self.backend = backend
@@ -136,6 +137,7 @@ class Reservation:
         self._clock = clock  # the registry's, which `Candidates.now` is read from
         self._open = True
         self._prefilling = True
+        self._arriving = False  # a split decode leg sent to vLLM, before its first token
         backend.in_flight += 1
         backend.reserved.add(load, clock())
         backend.version += 1
@@ -145,19 +147,33 @@ class Reservation:
         return self._open
 
     def prefill_done(self) -> None:
-        """The backend's first byte (or the prefill leg's result) arrived: its prompt is computed."""
+        """Its prompt is computed: the backend's first byte came, or, for a split's decode leg, the
+        prefill leg's result (the leg goes out now, and waits in vLLM until `first_token`)."""
         if self._prefilling and self._open:
             self._prefilling = False
+            self._arriving = self.load.awaits_kv
             self.backend.reserved.prefill_done(self.load, self._clock())
             self.backend.version += 1
+
+    def first_token(self) -> None:
+        """The backend's first byte: its prompt is computed, and vLLM no longer counts it as waiting."""
+        self.prefill_done()
+        self._arrived()
 
     def release(self) -> None:
         if not self._open:
             return
+        self._arrived()  # a decode leg that ends before its first token no longer waits either
         self._open = False
         self.backend.in_flight -= 1
         self.backend.reserved.release(self.load, self._prefilling, self._clock())
         self.backend.version += 1
+
+    def _arrived(self) -> None:
+        if self._arriving:
+            self._arriving = False
+            self.backend.reserved.first_token(self.load)
+            self.backend.version += 1
 
 
 _OWN_ROWS = 11  # `ModelPool._own_rows`

@@ -86,6 +86,7 @@ class Reserved:
     average (`step_behind`, in decode steps; 0 when the step began as the one before it ended)."""
 
     __slots__ = (
+        "arriving",
         "context_tokens",
         "decode_seqs",
         "head_s",
@@ -105,6 +106,9 @@ class Reserved:
         self.decode_seqs = 0
         self.context_tokens = 0
         self.kv_due: list[float] = []  # split decode legs still to start here: when their KV is due
+        # Split decode legs sent here (their KV computed), before their first token: vLLM counts them in
+        # `num_requests_waiting` while they wait for the KV pull and then for a step (`waiting_seqs`).
+        self.arriving = 0
         self.prefilling: deque[LegLoad] = deque()  # legs still to prefill, first planned first
         # The first of them: its tokens (0: none), when it reached the front, its predicted prefill
         # seconds (`LegLoad.prefill_s`; infinite where no plan priced it, so none of it counts as done).
@@ -134,7 +138,27 @@ class Reserved:
 
     def prefill_done(self, leg: LegLoad, now: float) -> None:
         """The leg's prompt is computed (for a split's decode leg: on its prefiller, so the leg is no
-        longer due; it goes out to this backend and queues there in order)."""
+        longer due; it goes out to this backend and waits there, `arriving`, until `first_token`)."""
+        self._prefill_over(leg, now)
+        if leg.awaits_kv:
+            self.arriving += 1
+
+    def first_token(self, leg: LegLoad) -> None:
+        """A split's decode leg that `prefill_done` sent here made its first token (or ended before):
+        vLLM no longer counts it as waiting. Once per such leg; nothing for any other leg."""
+        if leg.awaits_kv:
+            self.arriving -= 1
+
+    def release(self, leg: LegLoad, prefill_pending: bool, now: float) -> None:
+        """Take the leg off; `prefill_pending` when it ends before its prefill was done (a failure). A
+        decode leg that was sent here and ends before its first token needs `first_token` as well."""
+        if prefill_pending:
+            self._prefill_over(leg, now)
+        if leg.context_tokens > 0:
+            self.decode_seqs -= 1
+            self.context_tokens -= leg.context_tokens
+
+    def _prefill_over(self, leg: LegLoad, now: float) -> None:
         if leg.prefill_tokens or leg.awaits_kv:
             self._looked_up(leg)
         self.prefill_tokens -= leg.prefill_tokens
@@ -142,14 +166,6 @@ class Reserved:
             self._leave_queue(leg, now)
         if leg.awaits_kv:
             self.kv_due.remove(leg.kv_due_s)
-
-    def release(self, leg: LegLoad, prefill_pending: bool, now: float) -> None:
-        """Take the leg off; `prefill_pending` when it ends before its prefill was done (a failure)."""
-        if prefill_pending:
-            self.prefill_done(leg, now)
-        if leg.context_tokens > 0:
-            self.decode_seqs -= 1
-            self.context_tokens -= leg.context_tokens
 
     def _looked_up(self, leg: LegLoad) -> None:
         # Counted when vLLM has admitted the leg (its prefill is done, or its KV came), as vLLM counts
@@ -162,6 +178,14 @@ class Reserved:
     def prefill_seqs(self) -> int:
         """Legs whose prefill is not done (prices queued prompts at their length)."""
         return len(self.prefilling)
+
+    @property
+    def waiting_seqs(self) -> int:
+        """The legs vLLM counts in `num_requests_waiting`: those still to prefill, and the split decode
+        legs `arriving`. Without the latter, a decoder's legs waiting for their KV were read as other
+        clients' prompts queued there, at the mean context's length each (B200 + 2x H100, Azure
+        conversations over HTTP: short prompts split off the B200 for a phantom 800-token queue)."""
+        return len(self.prefilling) + self.arriving
 
     def _leave_queue(self, leg: LegLoad, now: float) -> None:
         # By identity: two legs of one size are equal, and the one done is the one that leaves.
@@ -328,8 +352,9 @@ def load_columns(
 ) -> dict[str, np.ndarray]:
     """The load columns of `Candidates` from the gateway's accounting and vLLM's counts (see above).
 
-    `seen` ([4, backends]): the gateway's own `in_flight`, `prefill_seqs`, `decode_seqs` and
-    `context_tokens` when vLLM's counts were reported (None: now, a fresh report). `head` ([5, backends]:
+    `seen` ([4, backends]): the gateway's own `in_flight`, `waiting_seqs` (`Reserved.waiting_seqs`: what
+    vLLM counts as waiting of its legs), `decode_seqs` and `context_tokens` when vLLM's counts were
+    reported (None: now, a fresh report with no split decode leg arriving). `head` ([5, backends]:
     `Reserved.head_tokens`, `head_since`, `head_s`, `step_tokens`, `step_behind` of each): the prompt in
     progress, of which the share its predicted prefill seconds say is done no longer counts as queued,
     and the step in progress (None: nothing is taken off, no step is known)."""

@@ -230,14 +230,17 @@ class Replay:
         self.reserved = [Reserved() for _ in range(n)]
         self.survival = [CacheSurvival() for _ in range(n)]  # fed each engine's counters, as a scrape
         self.leg_load: dict[tuple[int, str], LegLoad] = {}  # (engine, request id) -> its reservation
+        # Split decode legs sent to their engine, before their first token (`Reserved.arriving`).
+        self.arriving: dict[tuple[int, str], LegLoad] = {}
         self.predicted: dict[str, Prediction | None] = {}
         # The fixed columns of Candidates once; the live ones per engine as it changes, then the load
         # formula over all of them (`scoring.load.load_columns`, as the registry does).
         self.base = Candidates.build(sim.specs, tuple(BackendStats() for _ in range(n)))
         # in_flight, running, waiting, prefill tokens and seqs, decode seqs, context, kv_usage, and the
         # prompt in progress (`Reserved`: head tokens, since, predicted seconds; the step's tokens and
-        # the decode steps it waited for)
-        self.stats = np.zeros((13, n))
+        # the decode steps it waited for), and the legs of its own vLLM counts as waiting
+        # (`Reserved.waiting_seqs`: the `seen` of a fresh report)
+        self.stats = np.zeros((14, n))
         self.dirty = set(range(n))
         self.records = [
             RequestRecord(w.request_id, w.arrival_s, w.prompt_len, w.max_tokens) for w in workload
@@ -386,10 +389,19 @@ class Replay:
         leg = self.leg_load.get((engine, request_id))
         if leg is not None and (leg.prefill_tokens or leg.awaits_kv):
             self.reserved[engine].prefill_done(leg, t)
+            if leg.awaits_kv:
+                self.arriving[(engine, request_id)] = leg
             self.leg_load[(engine, request_id)] = LegLoad(0, leg.decode_tokens, leg.context_tokens)
             self.dirty.add(engine)
 
+    def _arrived(self, engine: int, request_id: str) -> None:
+        leg = self.arriving.pop((engine, request_id), None)
+        if leg is not None:
+            self.reserved[engine].first_token(leg)
+            self.dirty.add(engine)
+
     def _release(self, engine: int, request_id: str, t: float) -> None:
+        self._arrived(engine, request_id)
         leg = self.leg_load.pop((engine, request_id), None)
         if leg is not None:
             self.in_flight[engine] -= 1
@@ -429,7 +441,7 @@ class Replay:
             kv_usage=stats[7].copy(),
             cached_tokens=cached,
             cache_survival=np.fromiter((s.factor for s in self.survival), dtype=float, count=len(engines)),
-            **load_columns(*stats[:7], head=stats[8:], now=now),
+            **load_columns(*stats[:7], seen=stats[[0, 13, 5, 6]], head=stats[8:13], now=now),
             kv_due_rows=due_rows,
             kv_due_s=due_s,
             now=now,
@@ -439,9 +451,10 @@ class Replay:
         e, r = self.sim.engines[k], self.reserved[k]
         kv_usage = 1.0 - e.pool.num_free / e.config.num_gpu_blocks
         return (
-            self.in_flight[k], len(e.running), len(e.waiting), r.prefill_tokens, r.prefill_seqs,
-            r.decode_seqs, r.context_tokens, kv_usage, r.head_tokens, r.head_since, r.head_s, r.step_tokens,
-            r.step_behind,
+            # vLLM's waiting count holds the decode legs waiting for their KV pull.
+            self.in_flight[k], len(e.running), len(e.waiting) + len(e.transferring), r.prefill_tokens,
+            r.prefill_seqs, r.decode_seqs, r.context_tokens, kv_usage, r.head_tokens, r.head_since, r.head_s,
+            r.step_tokens, r.step_behind, r.waiting_seqs,
         )  # fmt: skip
 
     def live_stats(self) -> tuple[BackendStats, ...]:
@@ -450,7 +463,7 @@ class Replay:
             BackendStats(
                 in_flight=self.in_flight[k],
                 running=len(e.running),
-                waiting=len(e.waiting),
+                waiting=len(e.waiting) + len(e.transferring),
                 kv_usage=1.0 - e.pool.num_free / e.config.num_gpu_blocks,
                 prefill_tokens=self.reserved[k].prefill_tokens,
                 prefill_seqs=self.reserved[k].prefill_seqs,
@@ -535,6 +548,7 @@ class Replay:
             if record.mode != Mode.PD:  # a decoder's pulled KV is not a cache hit
                 record.cached_tokens = event.num_cached_tokens
             self._prefill_done(engine, rid, t)
+            self._arrived(engine, rid)
         record.output_tokens = event.num_output_tokens
         if event.finish_reason is not None:
             self._finish(engine, i, rid, t)

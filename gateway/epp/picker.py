@@ -313,6 +313,10 @@ class Turn:
             backend = None  # not a backend of this model: nothing of it to account for
         if decision is not None and backend is not None:
             self._served(decision, backend, headers.get(":status", b"200"))
+            if self.prefilled is not None and self.holding is not None:
+                # Envoy shows a decode leg's body only when sampled: its response headers are the
+                # nearest sign that vLLM took it, so it no longer counts as waiting there.
+                self.holding.first_token()
         route = self._route_text(backend) if self.picker.config.routing.route_header else None
         reply = protocol.response_headers(route, strip_served=protocol.SERVED in headers)
         if backend is not None and self._calibrates(decision, headers):

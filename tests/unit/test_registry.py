@@ -256,6 +256,47 @@ def test_a_split_decode_leg_is_due_until_its_prefill_ends():
     assert b.reserved.kv_due == []
 
 
+def test_a_split_decode_leg_waiting_for_its_kv_is_not_read_as_another_clients_queued_prompt():
+    """vLLM counts a decode leg that waits for its KV pull in `num_requests_waiting`: the gateway
+    counts it among its own waiting legs from the prefill's end to its first token (or its end), so a
+    report taken meanwhile shows no one else's prompt queued there."""
+    clock = Clock()
+    reg, _ = registry(clock)
+    b = reg.backends["b1"]
+    reg.reserve(b, LegLoad(0, 64, 1000))  # an aggregated sequence decoding there: the mean context
+    decode = reg.reserve(b, LegLoad(0, 64, 2000, kv_due_s=clock.now + 0.5))
+    decode.prefill_done()  # the prefill leg's result came: the decode leg goes out and waits there
+    assert b.reserved.waiting_seqs == 1
+    b.report(VllmLoad(running=1, waiting=1), b.own_counts())
+    assert reg.candidates(reg.pools["m"]).prefill_tokens.tolist() == [0.0, 0.0]
+    decode.first_token()
+    decode.first_token()
+    assert b.reserved.waiting_seqs == 0
+    # A report that still shows it waiting, taken before its first token, counts it as the gateway's.
+    b.report(VllmLoad(running=1, waiting=1), (2, 1, 2, 3000))
+    assert reg.candidates(reg.pools["m"]).prefill_tokens.tolist() == [0.0, 0.0]
+    # A third request waiting there is another client's, priced at the mean context (1,500 tokens).
+    b.report(VllmLoad(running=2, waiting=1), b.own_counts())
+    assert reg.candidates(reg.pools["m"]).prefill_tokens.tolist() == [0.0, 1500.0]
+
+
+def test_a_decode_leg_that_ends_before_its_first_token_no_longer_counts_as_waiting():
+    clock = Clock()
+    reg, _ = registry(clock)
+    b = reg.backends["b1"]
+    decode = reg.reserve(b, LegLoad(0, 64, 2000, kv_due_s=clock.now + 0.5))
+    aggregated = reg.reserve(b, LegLoad(500, 64, 500))
+    assert b.reserved.waiting_seqs == 1  # the aggregated leg, still to prefill
+    decode.prefill_done()
+    assert b.reserved.waiting_seqs == 2
+    decode.release()  # e.g. the KV pull failed
+    decode.first_token()
+    aggregated.first_token()  # its first byte: its prefill is done, and it was never arriving
+    assert b.reserved.waiting_seqs == 0
+    aggregated.release()
+    assert (b.in_flight, b.reserved.waiting_seqs, b.reserved.decode_seqs) == (0, 0, 0)
+
+
 def cooling(reg: Registry) -> list[int]:
     return sorted(reg.cooling(reg.pools["m"]))
 
