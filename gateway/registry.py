@@ -172,7 +172,7 @@ class Reservation:
     def _arrived(self) -> None:
         if self._arriving:
             self._arriving = False
-            self.backend.reserved.first_token(self.load)
+            self.backend.reserved.arrived()
             self.backend.version += 1
 
 

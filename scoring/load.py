@@ -138,20 +138,19 @@ class Reserved:
 
     def prefill_done(self, leg: LegLoad, now: float) -> None:
         """The leg's prompt is computed (for a split's decode leg: on its prefiller, so the leg is no
-        longer due; it goes out to this backend and waits there, `arriving`, until `first_token`)."""
+        longer due; it goes out to this backend and waits there, `arriving`, until `arrived`)."""
         self._prefill_over(leg, now)
         if leg.awaits_kv:
             self.arriving += 1
 
-    def first_token(self, leg: LegLoad) -> None:
+    def arrived(self) -> None:
         """A split's decode leg that `prefill_done` sent here made its first token (or ended before):
-        vLLM no longer counts it as waiting. Once per such leg; nothing for any other leg."""
-        if leg.awaits_kv:
-            self.arriving -= 1
+        vLLM no longer counts it as waiting. Once per such leg (its owner knows which legs are)."""
+        self.arriving -= 1
 
     def release(self, leg: LegLoad, prefill_pending: bool, now: float) -> None:
         """Take the leg off; `prefill_pending` when it ends before its prefill was done (a failure). A
-        decode leg that was sent here and ends before its first token needs `first_token` as well."""
+        decode leg that was sent here and ends before its first token needs `arrived` as well."""
         if prefill_pending:
             self._prefill_over(leg, now)
         if leg.context_tokens > 0:

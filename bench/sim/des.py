@@ -231,14 +231,14 @@ class Replay:
         self.survival = [CacheSurvival() for _ in range(n)]  # fed each engine's counters, as a scrape
         self.leg_load: dict[tuple[int, str], LegLoad] = {}  # (engine, request id) -> its reservation
         # Split decode legs sent to their engine, before their first token (`Reserved.arriving`).
-        self.arriving: dict[tuple[int, str], LegLoad] = {}
+        self.arriving: set[tuple[int, str]] = set()
         self.predicted: dict[str, Prediction | None] = {}
         # The fixed columns of Candidates once; the live ones per engine as it changes, then the load
         # formula over all of them (`scoring.load.load_columns`, as the registry does).
         self.base = Candidates.build(sim.specs, tuple(BackendStats() for _ in range(n)))
         # in_flight, running, waiting, prefill tokens and seqs, decode seqs, context, kv_usage, and the
         # prompt in progress (`Reserved`: head tokens, since, predicted seconds; the step's tokens and
-        # the decode steps it waited for), and the legs of its own vLLM counts as waiting
+        # the decode steps it waited for), and the gateway's own legs among vLLM's waiting ones
         # (`Reserved.waiting_seqs`: the `seen` of a fresh report)
         self.stats = np.zeros((14, n))
         self.dirty = set(range(n))
@@ -390,14 +390,14 @@ class Replay:
         if leg is not None and (leg.prefill_tokens or leg.awaits_kv):
             self.reserved[engine].prefill_done(leg, t)
             if leg.awaits_kv:
-                self.arriving[(engine, request_id)] = leg
+                self.arriving.add((engine, request_id))
             self.leg_load[(engine, request_id)] = LegLoad(0, leg.decode_tokens, leg.context_tokens)
             self.dirty.add(engine)
 
     def _arrived(self, engine: int, request_id: str) -> None:
-        leg = self.arriving.pop((engine, request_id), None)
-        if leg is not None:
-            self.reserved[engine].first_token(leg)
+        if (engine, request_id) in self.arriving:
+            self.arriving.remove((engine, request_id))
+            self.reserved[engine].arrived()
             self.dirty.add(engine)
 
     def _release(self, engine: int, request_id: str, t: float) -> None:
