@@ -99,6 +99,9 @@ class ApproximateIndexRouter:
     def tpot_correction(self, backend_id: str) -> float:
         return self.inner.tpot_correction(backend_id)
 
+    def overhead(self, backend_id: str) -> float:
+        return self.inner.overhead(backend_id)
+
     def calibration(self) -> dict[str, float]:
         return self.inner.calibration()
 

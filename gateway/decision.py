@@ -297,6 +297,7 @@ class Decider:
             self.metrics.cost_model_error.labels(backend).set(router.correction(backend))
             self.metrics.cost_model_queue_error.labels(backend).set(router.queue_correction(backend))
             self.metrics.cost_model_tpot_error.labels(backend).set(router.tpot_correction(backend))
+            self.metrics.cost_model_overhead.labels(backend).set(router.overhead(backend))
 
     async def _features(
         self, request: ParsedRequest, pool: ModelPool, headers: dict[bytes, bytes]

@@ -181,6 +181,13 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.cost_model_overhead = Gauge(
+            "hetgate:cost_model_overhead_seconds",
+            "Seconds each request pays per backend besides its roofline work, as the cost policy learnt",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.cost_model_tpot_error = Gauge(
             "hetgate:cost_model_tpot_error",
             "Measured over predicted TPOT per backend, as the cost policy learnt it (its SLO check uses it)",

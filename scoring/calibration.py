@@ -4,7 +4,7 @@ A request's time to first token on backend b is, by the roofline, its own prefil
 queued ahead of it `Q` (prompts in the queue, the step in progress, prompts that joined its step after
 it was planned), both in roofline seconds. `ComputeFit` fits
 
-    measured TTFT ~= compute * C + queue * Q
+    measured TTFT ~= compute * C + queue * Q + overhead
 
 per backend, by weighted least squares over the recent outcomes (exponential forgetting), each
 outcome weighted by the inverse square of its roofline prediction (the errors are relative: a 5 % miss on a
@@ -26,8 +26,18 @@ Two weak priors hold what the data cannot tell apart: the queue factor equals th
 roofline's assumption: the queue is the same hardware's compute), so a backend that never had a queue,
 or whose queue always stood in the same ratio to its prompts, prices its queue as its compute; and both
 lie near an anchor (the other backends' compute when this one was first measured), which keeps the
-solve regular before any outcome. Pure numpy on 2x2 matrices: a few microseconds per outcome, off the
+solve regular before any outcome. Pure numpy on 3x3 matrices: a few microseconds per outcome, off the
 request path's decision (outcomes are observed after a request ends).
+
+A third coefficient, `overhead`, is the seconds every request pays on that backend besides its
+roofline work: the HTTP round trip through the gateway, tokenization, the API server's scheduling,
+the first token's way back. The roofline has no such term, so without it the fit spread those seconds
+over the compute factor, in proportion to each prompt's size: over HTTP on B200 + 2x H100 (Azure
+conversations), prompts under 300 tokens took ~5 ms more than predicted and those over 2,000 ~14 ms
+less, served whole or split alike, and the splits of short prompts planned to the edge of a
+48 ms target missed it (docs/policies.md, thirty-seventh pass). It is never negative; its prior is
+zero, held by `OVERHEAD_RIDGE` until outcomes of varied sizes tell it from the compute (prompts of one
+size cannot: the compute takes it all, as before).
 """
 
 from __future__ import annotations
@@ -39,29 +49,36 @@ WINDOW = 128.0  # outcomes: the forgetting factor is 1 - 1 / WINDOW
 # In units of one outcome whose prediction was all compute: toward the anchor, and toward queue = compute.
 RIDGE = 0.001
 TIE = 0.1
+# Toward no overhead: 10 ms of it weighs as one outcome missed by 10 %, so a few tens of outcomes of
+# varied sizes outweigh the prior, and prompts of one size leave it at zero.
+OVERHEAD_RIDGE = 100.0
+OVERHEAD_MAX_S = 1.0
 
 
 class ComputeFit:
     """The least-squares fit of one backend: `compute` and `queue`, the factors on the roofline's own
-    prefill and queue seconds."""
+    prefill and queue seconds, and `overhead`, the seconds each request adds to them."""
 
-    __slots__ = ("_anchor", "_decay", "_ridge", "_xx", "_xy", "compute", "queue")
+    __slots__ = ("_anchor", "_decay", "_ridge", "_xx", "_xy", "compute", "overhead", "queue")
 
     def __init__(self, anchor: float, window: float = WINDOW, ridge: float = RIDGE, tie: float = TIE) -> None:
-        self._anchor = ridge * np.array([anchor, anchor])
+        self._anchor = ridge * np.array([anchor, anchor, 0.0])
         self._decay = 1.0 - 1.0 / window
-        self._ridge = ridge * np.eye(2) + tie * np.array([[1.0, -1.0], [-1.0, 1.0]])
-        self._xx = np.zeros((2, 2))
-        self._xy = np.zeros(2)
+        self._ridge = np.zeros((3, 3))
+        self._ridge[:2, :2] = ridge * np.eye(2) + tie * np.array([[1.0, -1.0], [-1.0, 1.0]])
+        self._ridge[2, 2] = OVERHEAD_RIDGE
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
         self.compute = anchor
         self.queue = anchor  # the priors' solve before any outcome
+        self.overhead = 0.0
 
     def add(self, measured_s: float, compute_s: float, queue_s: float) -> bool:
         """One outcome: `measured_s` for `compute_s` own prefill and `queue_s` ahead (roofline seconds).
         False when it says nothing (no compute, or a time that is not one)."""
         if compute_s <= 0 or queue_s < 0 or not np.isfinite(measured_s) or measured_s <= 0:
             return False
-        x = np.array([compute_s, queue_s])
+        x = np.array([compute_s, queue_s, 1.0])
         # Relative errors (a common factor leaves the fit as it is), by the compute's share (see above).
         weight = compute_s**2 / (compute_s + queue_s) ** 4
         self._xx *= self._decay
@@ -71,16 +88,27 @@ class ComputeFit:
         self._solve()
         return True
 
-    def move_to(self, compute: float | None = None, queue: float | None = None) -> None:
+    def move_to(
+        self, compute: float | None = None, queue: float | None = None, overhead: float | None = None
+    ) -> None:
         """Set the coefficients (another replica's view blended in) and keep the evidence: the sums are
         shifted so that they solve to the new values, so later outcomes move them as much as before."""
         theta = np.array(
-            [self.compute if compute is None else compute, self.queue if queue is None else queue]
+            [
+                self.compute if compute is None else compute,
+                self.queue if queue is None else queue,
+                self.overhead if overhead is None else overhead,
+            ]
         )
-        theta = np.clip(theta, *CLIP)
+        theta[:2] = np.clip(theta[:2], *CLIP)
+        theta[2] = np.clip(theta[2], 0.0, OVERHEAD_MAX_S)
         self._xy = (self._xx + self._ridge) @ theta - self._anchor
-        self.compute, self.queue = float(theta[0]), float(theta[1])
+        self.compute, self.queue, self.overhead = (float(v) for v in theta)
 
     def _solve(self) -> None:
-        theta = np.linalg.solve(self._xx + self._ridge, self._xy + self._anchor)
-        self.compute, self.queue = (float(v) for v in np.clip(theta, *CLIP))
+        a, b = self._xx + self._ridge, self._xy + self._anchor
+        theta = np.linalg.solve(a, b)
+        if theta[2] < 0.0:  # no negative overhead: the best fit with none
+            theta = np.append(np.linalg.solve(a[:2, :2], b[:2]), 0.0)
+        self.compute, self.queue = (float(v) for v in np.clip(theta[:2], *CLIP))
+        self.overhead = float(min(theta[2], OVERHEAD_MAX_S))

@@ -119,7 +119,7 @@ _Predicted = tuple[float, float, float, float, float, float, float, float, tuple
 _PriceArgs = tuple[
     tuple[np.ndarray, np.ndarray, float],
     tuple[float, float, bool, float, float],
-    tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     tuple[np.ndarray, ...],
     tuple[np.ndarray, np.ndarray],
 ]
@@ -156,6 +156,7 @@ class _Cluster:
     fastest_decode: ScalarStepTime  # the backend with the most memory bandwidth, alone
     rows: dict[str, int]  # backend id -> row
     compute_factor: np.ndarray
+    overhead_s: np.ndarray  # seconds each request pays besides its roofline work (`ComputeFit.overhead`)
     tpot_factor: np.ndarray  # measured over predicted TPOT (the SLO check's correction)
     pair_factor: np.ndarray  # [p, d], a view of `links[0]`
     headroom: np.ndarray  # [p, d], a view of `links[3]`
@@ -240,6 +241,7 @@ class CostRanker(SimpleRanker):
         self._fits: dict[str, ComputeFit] = {}  # compute and queue corrections per backend
         self._compute_prior = 1.0  # for a backend not measured yet: the others' geometric mean
         self._queue_prior = 1.0
+        self._overhead_prior = 0.0
         self._pair_correction: dict[tuple[str, str], float] = {}
         self._traffic = TrafficWindow()  # what the SLO plan of `replan` is solved over
         self._tpot_correction: dict[str, float] = {}
@@ -285,7 +287,15 @@ class CostRanker(SimpleRanker):
                 slo_ttft,
                 slo_tpot,
             ),
-            (cl.compute_factor, cl.tpot_factor, prefill_price, cl.price, cl.kv_limit, work.fixed_step),
+            (
+                cl.compute_factor,
+                cl.tpot_factor,
+                prefill_price,
+                cl.price,
+                cl.kv_limit,
+                work.fixed_step,
+                cl.overhead_s,
+            ),
             tuple([np.asarray(x, dtype=f) for x in columns]),
             (np.asarray(c.kv_due_rows, dtype=np.int64), np.asarray(c.kv_due_s, dtype=f)),
         )
@@ -544,6 +554,12 @@ class CostRanker(SimpleRanker):
         fit = self._fits.get(backend_id)
         return fit.compute if fit is not None else self._compute_prior
 
+    def overhead(self, backend_id: str) -> float:
+        """The seconds a request pays on one backend besides its roofline work (`ComputeFit.overhead`);
+        an unmeasured backend takes the others' mean (the same software stack serves them all)."""
+        fit = self._fits.get(backend_id)
+        return fit.overhead if fit is not None else self._overhead_prior
+
     def queue_correction(self, backend_id: str) -> float:
         """Measured over roofline-predicted queue ahead of a prefill on one backend, as calibration
         fitted it beside the compute (a diagnostic: pricing scales the queue by the compute factor); an
@@ -563,8 +579,10 @@ class CostRanker(SimpleRanker):
             fits = self._fits.values()
             self._compute_prior = math.exp(sum(math.log(f.compute) for f in fits) / len(self._fits))
             self._queue_prior = math.exp(sum(math.log(f.queue) for f in fits) / len(self._fits))
+            self._overhead_prior = sum(f.overhead for f in fits) / len(self._fits)
         for cl in self._clusters.values():
             cl.compute_factor[:] = [self.correction(s.id) for s in cl.specs]
+            cl.overhead_s[:] = [self.overhead(s.id) for s in cl.specs]
 
     def corrections(self) -> dict[str, float]:
         return {b: f.compute for b, f in self._fits.items()}
@@ -574,6 +592,7 @@ class CostRanker(SimpleRanker):
         `pair/<from>/<to>` (backend ids have no `/`), for other gateway replicas (`blend_calibration`)."""
         named = {f"compute/{b}": f.compute for b, f in self._fits.items()}
         named.update({f"queue/{b}": f.queue for b, f in self._fits.items()})
+        named.update({f"overhead/{b}": f.overhead for b, f in self._fits.items()})
         named.update({f"tpot/{b}": k for b, k in self._tpot_correction.items()})
         named.update({f"pair/{a}/{b}": k for (a, b), k in self._pair_correction.items()})
         named.update({f"headroom/{a}/{b}": k for (a, b), k in self._headroom.items()})
@@ -585,8 +604,11 @@ class CostRanker(SimpleRanker):
         its own requests; a backend this one has not measured takes what the others learnt."""
         for name, values in others.items():
             kind, _, ids = name.partition("/")
-            theirs = [v for v in values if v > 0]
+            theirs = [v for v in values if (v >= 0 if kind == "overhead" else v > 0)]
             if not theirs or not ids:
+                continue
+            if kind == "overhead":  # seconds, and often none: the arithmetic mean, half way
+                self._fit(ids).move_to(overhead=(self.overhead(ids) + sum(theirs) / len(theirs)) / 2)
                 continue
             target = math.exp(sum(map(math.log, theirs)) / len(theirs))
             if kind == "compute":
@@ -635,6 +657,7 @@ class CostRanker(SimpleRanker):
                 ScalarStepTime(self.model, hw.row(int(np.argmax(hw.mem_bw))), self.efficiency),
                 {s.id: i for i, s in enumerate(specs)},
                 np.array([self.correction(s.id) for s in specs]),
+                np.array([self.overhead(s.id) for s in specs]),
                 np.array([self.tpot_correction(s.id) for s in specs]),
                 links[0],  # set_pair writes there, so into `links`
                 links[3],
@@ -704,21 +727,21 @@ def _shortlist(rows: np.ndarray, time: np.ndarray, cost: np.ndarray) -> np.ndarr
 def _price_rows(
     engine: tuple[np.ndarray, np.ndarray, float],
     request: tuple[float, float, bool, float, float],
-    cluster: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    cluster: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     load: tuple[np.ndarray, ...],
     kv_due: tuple[np.ndarray, np.ndarray],
 ) -> np.ndarray:
     """`_Priced`'s rows for one request on every backend. `engine`: `WorkModel.table`, `.weights`, the
     step's token budget; `request`: prompt tokens, output tokens, `idle_is_free`, the TTFT and TPOT
     targets; `cluster`: compute and TPOT corrections, prices of a prefill second and of a decode
-    second, KV limits, `WorkModel.fixed_step`;
+    second, KV limits, `WorkModel.fixed_step`, the learnt overhead per request;
     `load`: per backend, the cached tokens it should still hold (`Candidates.surviving_cached`), the
     sequences decoding, their context (`WorkModel.context`), then `Candidates`' prefill tokens,
     prompt length, step tokens, step elapsed and step behind; `kv_due`: `Candidates.kv_due_rows`,
     `.kv_due_s`."""
     table, weights, chunk = engine
     prompt, out, idle_is_free, slo_ttft, slo_tpot = request
-    k, tpot_factor, prefill_price, price, kv_limit, fixed_step = cluster
+    k, tpot_factor, prefill_price, price, kv_limit, fixed_step, overhead = cluster
     surviving, seqs, context = load[0], load[1], load[2]
     prefill_tokens, prefill_len, step_tokens, step_elapsed, step_behind = load[3:]
     n = seqs.size
@@ -739,7 +762,8 @@ def _price_rows(
         # too (below): counted for splits alone, it made them look slower than serving whole (bursts on
         # B200 + 2x H100, `auto`: 17 -> 3.6 requests/s of SLO capacity).
         mid_step = s[6, i]
-        rows[wait_, i] = queue + mid_step
+        # And the seconds each request pays there besides its roofline work (`ComputeFit.overhead`).
+        rows[wait_, i] = queue + mid_step + overhead[i]
         rows[rwait_, i] = s[2, i] + mid_step  # what calibration fits its queue factor on
         rows[rcomp_, i] = s[3, i]
         compute = rows[compute_, i] = k[i] * s[3, i]
@@ -756,6 +780,9 @@ def _price_rows(
         # one chunk, the pair corrections learnt the rest as transfer time (10x, their clip, on the AMD
         # seed cluster's conversations).
         ahead = k[i] * s[5, i]
+        # Not the overhead: a split's decode leg pays its own, which its pair's transfer correction
+        # learns as before (priced here as well, it is counted twice; in the simulator that cost the
+        # Rubin CPX bursts 10 % of their SLO capacity; docs/policies.md, thirty-seventh pass).
         rows[first_, i] = 2.0 * step + ahead
         # The step a new prefill joins starts when the steps ahead of it have run; until then later
         # prompts may join it (`_join`).

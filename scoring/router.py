@@ -68,6 +68,8 @@ class Ranker(Protocol):
 
     def tpot_correction(self, backend_id: str) -> float: ...
 
+    def overhead(self, backend_id: str) -> float: ...
+
     def calibration(self) -> dict[str, float]: ...
 
     def blend_calibration(self, others: Mapping[str, Sequence[float]]) -> None: ...
@@ -139,6 +141,9 @@ class SimpleRanker:
 
     def tpot_correction(self, backend_id: str) -> float:
         return 1.0
+
+    def overhead(self, backend_id: str) -> float:
+        return 0.0
 
     def calibration(self) -> dict[str, float]:
         return {}
@@ -259,6 +264,9 @@ class PlanningRouter:
 
     def tpot_correction(self, backend_id: str) -> float:
         return self.ranker.tpot_correction(backend_id)
+
+    def overhead(self, backend_id: str) -> float:
+        return self.ranker.overhead(backend_id)
 
     def calibration(self) -> dict[str, float]:
         return self.ranker.calibration()

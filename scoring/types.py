@@ -268,6 +268,10 @@ class Router(Protocol):
         """What it learnt of one backend: measured over predicted TPOT (1.0: nothing)."""
         ...
 
+    def overhead(self, backend_id: str) -> float:
+        """What it learnt of one backend: seconds a request pays besides its predicted work (0.0: none)."""
+        ...
+
     def calibration(self) -> dict[str, float]:
         """Everything it learnt, by name, to share with other gateway replicas (empty: nothing)."""
         ...

@@ -69,6 +69,11 @@ def test_an_aggregated_stream_teaches_compute_and_tpot_and_a_plain_reply_nothing
     assert metric(gw.url, "hetgate:cost_model_error", backend="b") not in (0.0, 1.0)
     assert metric(gw.url, "hetgate:cost_model_queue_error", backend="b") not in (0.0, 1.0)
     assert metric(gw.url, "hetgate:cost_model_tpot_error", backend="b") not in (0.0, 1.0)
+    # Seconds, and possibly none after three prompts of one size (the compute takes what they cannot
+    # tell apart): published, never negative.
+    published = httpx.get(f"{gw.url}/metrics", timeout=5).text
+    assert 'hetgate:cost_model_overhead_seconds{backend="b"}' in published
+    assert metric(gw.url, "hetgate:cost_model_overhead_seconds", backend="b") >= 0.0
 
 
 def test_a_request_retried_elsewhere_teaches_nothing(sim, gateway):

@@ -89,3 +89,42 @@ def test_coefficients_stay_within_the_clip():
     fit = ComputeFit(1.0)
     feed(fit, 50.0, 50.0, 100)
     assert (fit.compute, fit.queue) == (10.0, 10.0)
+
+
+def feed_with_overhead(fit: ComputeFit, compute: float, overhead_s: float, samples: int) -> None:
+    """Prompts of 100 to 2,500 tokens' worth of roofline prefill (2-50 ms), some queued, each paying
+    `overhead_s` besides (an HTTP round trip, tokenization)."""
+    rng = np.random.default_rng(3)
+    for _ in range(samples):
+        own = rng.uniform(0.002, 0.05)
+        ahead = own * rng.choice([0.0, 0.5, 2.0])
+        assert fit.add(compute * (own + ahead) + overhead_s, own, ahead)
+
+
+def test_a_fixed_overhead_per_request_is_told_from_slow_compute():
+    """5 ms per request on prompts of 2-50 ms: the fit finds the 5 ms and the compute's truth. A factor
+    on the compute alone read them as 1.26x, which put a 2 ms prompt 3 ms early and a 50 ms one 11 ms
+    late (the thirty-seventh pass of docs/policies.md measured that shape over HTTP)."""
+    fit = ComputeFit(1.0)
+    feed_with_overhead(fit, 1.0, 0.005, 300)
+    assert fit.overhead == pytest.approx(0.005, rel=0.02)
+    assert (fit.compute, fit.queue) == (pytest.approx(1.0, rel=0.01), pytest.approx(1.0, rel=0.01))
+
+
+def test_no_overhead_is_found_where_there_is_none_and_never_a_negative_one():
+    fit = ComputeFit(1.0)
+    feed(fit, 2.7, 1.5, 300)
+    # 0.04 ms: what the tie prior's pull on the queue (1.56 for 1.5) leaves over, on prompts of 2-50 ms
+    assert fit.overhead == pytest.approx(0.0, abs=1e-4)
+    faster = ComputeFit(1.0)  # a backend that answers short prompts early would fit a negative one
+    feed_with_overhead(faster, 1.0, -0.001, 300)
+    assert faster.overhead == 0.0
+    assert faster.compute == pytest.approx(0.95, rel=0.05)
+
+
+def test_prompts_of_one_size_cannot_tell_overhead_from_compute_and_leave_it_to_the_compute():
+    fit = ComputeFit(1.0)
+    for _ in range(200):
+        fit.add(1.2 * 0.02 + 0.005, 0.02, 0.0)
+    assert fit.overhead < 0.001
+    assert fit.compute * 0.02 + fit.overhead == pytest.approx(0.029, rel=0.01)

@@ -295,6 +295,32 @@ def test_transfer_is_learnt_per_pair(deepseek):
     assert router.ranker.correction("mi308x-0") == 1.0  # the decoder's compute is not blamed
 
 
+def test_a_fixed_overhead_per_request_is_learnt_and_priced(deepseek):
+    """Outcomes of prompts of varied sizes, each 8 ms slower than the roofline's prefill: the ranker
+    learns 8 ms of overhead, not slowness, and every prediction carries it once: a whole request's (an
+    unmeasured backend takes the measured ones' mean), and a split's prefill leg's, in its wait (so the
+    pair's transfer correction does not learn it as the decoder's first step; the decode leg's own is
+    left to that correction)."""
+    router = build_router("cost", "always", model=deepseek)
+    ranker = router.ranker
+    assert isinstance(ranker, CostRanker)
+    short = RequestFeatures("m", prompt_tokens=300, max_tokens=64)
+    whole_before = ranker.predicted_ttft(short, cluster())
+    split_before = router.plan(short, cluster(roles=(P, D))).predicted
+    for compute in np.linspace(0.002, 0.2, 200):
+        pred = Prediction(wait_s=0.0, compute_s=compute, ttft_s=compute, roofline_queue_s=0.0,
+                          roofline_compute_s=compute)  # fmt: skip
+        measured = compute + 0.008
+        ranker.observe(Outcome("mi300x-0", Mode.AGGREGATED, 8000, 0, 64, measured, measured, predicted=pred))
+    assert ranker.overhead("mi300x-0") == pytest.approx(0.008, rel=0.05)
+    assert ranker.correction("mi300x-0") == pytest.approx(1.0, rel=0.02)
+    assert ranker.predicted_ttft(short, cluster()) - whole_before == pytest.approx([0.008, 0.008], rel=0.1)
+    split_after = router.plan(short, cluster(roles=(P, D))).predicted
+    assert split_before is not None and split_after is not None
+    assert split_after.ttft_s - split_before.ttft_s == pytest.approx(0.008, rel=0.1)
+    assert split_after.wait_s - split_before.wait_s == pytest.approx(0.008, rel=0.1)
+
+
 def test_plans_are_ordered_cheap_tier_then_feasible_then_infeasible_each_by_finish():
     rows = np.array([10, 11, 12, 13])
     cost, finish = np.array([1.0, 1.2, 3.0, 0.5]), np.array([5.0, 4.0, 1.0, 0.1])
@@ -549,6 +575,8 @@ def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_canno
             "headroom/mi300x-0/mi308x-0": [4.0],  # half way from none: sqrt(1 x 4)
             "compute/mi308x-1": [-1.0, 0.0],  # not a correction
             "queue/mi308x-0": [16.0],  # half way: sqrt(4 x 16)
+            "overhead/mi308x-0": [0.01, 0.03],  # seconds: half way to their mean, from none
+            "overhead/mi300x-0": [-0.01],  # not an overhead
             "size/mi300x-0": [5.0],  # not a kind it learns
             "pair/mi300x-0": [5.0],  # not a pair
         }
@@ -560,8 +588,11 @@ def test_blending_moves_half_way_to_the_other_replicas_and_ignores_what_it_canno
     assert learnt["pair/mi300x-0/mi308x-0"] == pytest.approx(3.0)
     assert learnt["headroom/mi300x-0/mi308x-0"] == pytest.approx(2.0)
     assert ranker.queue_correction("mi308x-0") == pytest.approx(8.0, rel=0.02)
+    assert ranker.overhead("mi308x-0") == pytest.approx(0.01, abs=1e-4)
+    assert ranker.overhead("mi300x-0") == pytest.approx(0.0, abs=1e-4)
     assert set(learnt) == {
         "compute/mi300x-0", "compute/mi308x-0", "queue/mi300x-0", "queue/mi308x-0", "tpot/mi300x-0",
+        "overhead/mi300x-0", "overhead/mi308x-0",
         "pair/mi300x-0/mi308x-0", "headroom/mi300x-0/mi308x-0",
     }  # fmt: skip
     # The pricing reads the blended factors (rows: mi300x-0, mi308x-0).
