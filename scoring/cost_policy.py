@@ -574,7 +574,8 @@ class CostRanker(SimpleRanker):
         return fit
 
     def _refresh_compute_factors(self) -> None:
-        """The priors of unmeasured backends, and every cluster's compute factors (what pricing reads)."""
+        """The priors of unmeasured backends, and every cluster's compute factors and overheads (what
+        pricing reads)."""
         if self._fits:
             fits = self._fits.values()
             self._compute_prior = math.exp(sum(math.log(f.compute) for f in fits) / len(self._fits))

@@ -102,9 +102,10 @@ def feed_with_overhead(fit: ComputeFit, compute: float, overhead_s: float, sampl
 
 
 def test_a_fixed_overhead_per_request_is_told_from_slow_compute():
-    """5 ms per request on prompts of 2-50 ms: the fit finds the 5 ms and the compute's truth. A factor
-    on the compute alone read them as 1.26x, which put a 2 ms prompt 3 ms early and a 50 ms one 11 ms
-    late (the thirty-seventh pass of docs/policies.md measured that shape over HTTP)."""
+    """5 ms per request on prompts of 2-50 ms: the fit finds the 5 ms and the compute's truth. Without
+    the overhead term (d5c5a00) the same outcomes fitted compute 1.33x, which predicted a 2 ms prompt
+    4 ms short and a 50 ms one 12 ms long (the thirty-seventh pass of docs/policies.md measured that shape
+    over HTTP)."""
     fit = ComputeFit(1.0)
     feed_with_overhead(fit, 1.0, 0.005, 300)
     assert fit.overhead == pytest.approx(0.005, rel=0.02)
