@@ -2,7 +2,11 @@
 
 A request's time to first token on backend b is, by the roofline, its own prefill `C` plus the work
 queued ahead of it `Q` (prompts in the queue, the step in progress, prompts that joined its step after
-it was planned), both in roofline seconds. `ComputeFit` fits
+it was planned), both in roofline seconds, less the fixed seconds of the engine steps they take (the
+scheduler, kernel launches, sampling: `StepCoefficients.overhead_s`), which no efficiency scales and
+which the caller takes off the measured time too (scaled with the rest, the AMD seed cluster's
+corrections of ~3 put 6 ms too many on every one-step prompt, and the fit, settling between the short
+prompts and the long ones, priced the long ones 10 % short). `ComputeFit` fits
 
     measured TTFT ~= compute * C + queue * Q + overhead
 

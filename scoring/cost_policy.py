@@ -114,7 +114,7 @@ _HEADROOM_CLIP = (1.0, 10.0)
 _PLANNED_KEPT = 64  # per backend: more than a step's worth of queued prompts
 _Key = TypeVar("_Key", str, tuple[str, str])  # what a correction is kept per: backend, or transfer pair
 # A `Prediction`'s fields in order, less `joined` (what `CostRanker._route` builds it from).
-_Predicted = tuple[float, float, float, float, float, float, float, float, tuple[int, ...]]
+_Predicted = tuple[float, float, float, float, float, float, float, float, float, float, tuple[int, ...]]
 # `_price_rows`' arguments (`CostRanker._price_args`)
 _PriceArgs = tuple[
     tuple[np.ndarray, np.ndarray, float],
@@ -198,12 +198,15 @@ class _Priced:
     agg_ok: np.ndarray  # serving whole meets the SLO
     agg_finish: np.ndarray  # serving whole: TTFT + M * TPOT + the delay it imposes
     agg_cost: np.ndarray  # serving whole: the cluster's compute it takes + the delay it imposes
+    roofline_fixed_wait: np.ndarray  # the steps' fixed seconds in `roofline_wait`, `roofline_compute`
+    roofline_fixed_compute: np.ndarray
 
 
 # `_Priced`'s rows as `_price_rows` writes them (constants to the compiled kernel)
-_PRICED_ROWS = 23
+_PRICED_ROWS = 25
 wait_, compute_, ttft_, ccost_, dprice_, tseen_, rwait_, rcomp_, tpot_, first_, dcost_ = range(11)
 kv_ok_, step_, stall_, seqs_, delay_, opens_, waiting_, pharm_, dharm_, aok_, afin_, acost_ = range(11, 23)
+rfixq_, rfixc_ = 23, 24
 
 
 class CostRanker(SimpleRanker):
@@ -314,8 +317,11 @@ class CostRanker(SimpleRanker):
             # Corrected as that backend's measured prefills correct it: the target is relative to how
             # fast it really is (uncorrected, a roofline that is 2x optimistic halves the target and
             # every plan looks late).
-            unloaded = cl.fastest_prefill(prompt, 0.5 * prompt * (prompt + 1), 0, 0)
-            ttft = self.slo.ttft_factor * unloaded * float(cl.compute_factor[cl.fastest_prefill_row])
+            fastest = cl.fastest_prefill
+            fixed = fastest.overhead_s  # one step's, which the correction does not scale (`Steps`)
+            unloaded = fastest(prompt, 0.5 * prompt * (prompt + 1), 0, 0) - fixed
+            k = float(cl.compute_factor[cl.fastest_prefill_row])
+            ttft = self.slo.ttft_factor * (unloaded * k + fixed)
         if tpot is None:
             tpot = self.slo.tpot_factor * cl.fastest_decode(0, 0, 1, prompt + 1)
         return ttft, tpot
@@ -462,9 +468,10 @@ class CostRanker(SimpleRanker):
             # The prompts that joined its step after it was planned are queue, not slowness: without
             # them, a burst's first prompts taught its backend 2.4x the compute correction it has.
             joined = pred.joined.seconds if pred.joined is not None else 0.0
-            if self._fit(backend).add(
-                outcome.ttft_s, pred.roofline_compute_s, pred.roofline_queue_s + joined
-            ):
+            # The correction scales the roofline's seconds less the steps' fixed ones (`Steps`).
+            fixed_q, fixed_c = pred.roofline_fixed_queue_s, pred.roofline_fixed_compute_s
+            compute, queue = pred.roofline_compute_s - fixed_c, pred.roofline_queue_s - fixed_q + joined
+            if self._fit(backend).add(outcome.ttft_s - fixed_q - fixed_c, compute, queue):
                 self._refresh_compute_factors()
         if outcome.leg is not Leg.PREFILL and outcome.tpot_s > 0 and pred.tpot_s > 0:
             self._learn_tpot(outcome.backend_id, outcome.tpot_s, pred.tpot_s)
@@ -756,7 +763,9 @@ def _price_rows(
                      prefill_tokens, prefill_len, step_tokens, elapsed, step_behind)  # fmt: skip
     rows = np.empty((_PRICED_ROWS, n))
     for i in range(n):
-        base, step, queue = s[0, i], s[1, i], k[i] * s[2, i]
+        # The compute correction scales the roofline's seconds less the steps' fixed ones (`Steps`).
+        fixed_wait, fixed_prefill, fixed_ahead = s[8, i], s[9, i], s[10, i]
+        base, step, queue = s[0, i], s[1, i], k[i] * (s[2, i] - fixed_wait) + fixed_wait
         # A request that arrives mid-step waits for that step to end (`mid_step`: half a decode step
         # on average where no prefill step is known to be in progress; `wait` has what is left of one
         # that is). Counted for every plan alike, since a split's decode leg waits for step boundaries
@@ -767,7 +776,8 @@ def _price_rows(
         rows[wait_, i] = queue + mid_step + overhead[i]
         rows[rwait_, i] = s[2, i] + mid_step  # what calibration fits its queue factor on
         rows[rcomp_, i] = s[3, i]
-        compute = rows[compute_, i] = k[i] * s[3, i]
+        rows[rfixq_, i], rows[rfixc_, i] = fixed_wait, fixed_prefill  # which it takes off (see `observe`)
+        compute = rows[compute_, i] = k[i] * (s[3, i] - fixed_prefill) + fixed_prefill
         # The marginal decode step. A backend's first sequence pays the step's fixed part (weights read,
         # overhead) unless `idle_is_free`: see `choose`.
         decode_cost = rows[dcost_, i] = out * (step - (max(base, fixed_step[i]) if idle_is_free else base))
@@ -780,7 +790,7 @@ def _price_rows(
         # one step: about two steps besides the steps ahead and the transfer. Priced as one step after
         # one chunk, the pair corrections learnt the rest as transfer time (10x, their clip, on the AMD
         # seed cluster's conversations).
-        ahead = k[i] * s[5, i]
+        ahead = k[i] * (s[5, i] - fixed_ahead) + fixed_ahead
         # Not the overhead: a split's decode leg pays its own, which its pair's transfer correction
         # learns as before (priced here as well, it is counted twice; in the simulator that cost the
         # Rubin CPX bursts 10 % of their SLO capacity; docs/policies.md, thirty-seventh pass).
@@ -1052,7 +1062,7 @@ def _predicted(
     """A plan's `Prediction` fields (less `joined`) from `_price_rows`' columns of its prefill and decode
     backends (the same column for a plan served whole), its transfer and its TTFT."""
     return (prefill[wait_], prefill[compute_], transfer_s, ttft_s, decode[tpot_], decode[tseen_],
-            prefill[rwait_], prefill[rcomp_], rows)  # fmt: skip
+            prefill[rwait_], prefill[rcomp_], prefill[rfixq_], prefill[rfixc_], rows)  # fmt: skip
 
 
 def _pair_wins(pair: tuple[bool, float, float], agg: tuple[bool, float, float], tolerance: float) -> bool:

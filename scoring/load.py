@@ -420,8 +420,8 @@ def _load_rows(
 def head_progress(head: np.ndarray, now: float, chunk_tokens: float = DEFAULT_CHUNK_TOKENS) -> np.ndarray:
     """The tokens of each backend's prompt in progress already computed at `now` (see `Reserved`): for
     a prompt longer than one step's token budget, its tokens times the time since it reached the front
-    over its predicted prefill, at most all of them; none for a shorter one, or where the prefill was
-    not priced (`head_s` is infinite).
+    over its predicted prefill, and all but its last chunk once that time has passed; none for a
+    shorter one, or where the prefill was not priced (`head_s` is infinite).
 
     A prompt that fits in one step is done when that step ends, together with the prompts batched with
     it, so the step's time is theirs as much as its own: credited by its own predicted seconds, the
@@ -431,7 +431,13 @@ def head_progress(head: np.ndarray, now: float, chunk_tokens: float = DEFAULT_CH
     done = np.zeros(tokens.size)
     for i in range(tokens.size):
         if tokens[i] > chunk_tokens:
-            done[i] = min(max(now - since[i], 0.0) / seconds[i], 1.0) * tokens[i]
+            # Past its predicted end (a compute correction still learning) it is late, not done: its
+            # last chunk stays queued until its first token. (Counted done, a long prompt that an
+            # MI308X took 3x its first prediction for hid 5 s of queue, and the outcomes behind it
+            # taught that backend 76 ms of overhead per request and 2.8x its compute correction.)
+            share = max(now - since[i], 0.0) / seconds[i]
+            last = tokens[i] - chunk_tokens * (np.ceil(tokens[i] / chunk_tokens) - 1.0)
+            done[i] = share * tokens[i] if share < 1.0 else tokens[i] - last
     return done
 
 
@@ -455,6 +461,9 @@ class Steps(NamedTuple):
     ahead: np.ndarray
     mid_step: np.ndarray
     waiting: np.ndarray
+    fixed_wait: np.ndarray
+    fixed_prefill: np.ndarray
+    fixed_ahead: np.ndarray
 
 
 class WorkModel:
@@ -529,7 +538,14 @@ class WorkModel:
         - `waiting`: the prompt tokens queued behind the step in progress (the ones a new prompt may
           share a step with);
         - `stall`: how much longer the running batch's steps take, in all, while that prefill shares
-          them (chunked prefill): the mixed step minus the decode-only one, weights counted once.
+          them (chunked prefill): the mixed step minus the decode-only one, weights counted once;
+        - `fixed_wait`, `fixed_prefill`, `fixed_ahead`: the part of `wait`, `prefill` and `ahead` that
+          is the steps' fixed seconds (`StepCoefficients.overhead_s` and `seq_s`: the scheduler, the
+          launches, sampling), one per step they count. A backend slower than its roofline is slower at
+          its arithmetic and its memory reads, not at those: the compute correction scales the rest
+          (`scoring/cost_policy.py`). (Scaled with them, the AMD seed cluster's corrections of ~3 put 6 ms
+          too many on every one-step prompt; the fit settled between the short prompts and the long
+          ones, and priced the long ones 10 % short.)
         """
         f = np.float64
         columns = (new_tokens, cached_tokens, seqs, context, prefill_tokens, prefill_len, step_tokens,
@@ -555,13 +571,13 @@ def steps_kernel(
     step_elapsed: np.ndarray,
     step_behind: np.ndarray,
 ) -> np.ndarray:
-    """`WorkModel.steps`' eight rows, backend by backend (`table`, `weights`: `StepCoefficients`).
+    """`WorkModel.steps`' eleven rows, backend by backend (`table`, `weights`: `StepCoefficients`).
     Priced first as if the step in progress had begun (the common case); a step planned to an idle
     queue begins when the decode step running then ends, and until then it takes more prompts, as a
     waiting one does: while any backend has such a step, every step not known to have begun is priced
     as waiting (its tokens join the waiting ones)."""
     n = seqs.shape[0]
-    out = np.empty((8, n))
+    out = np.empty((11, n))
     closed = np.empty(n, dtype=np.bool_)
     opening = np.empty(n, dtype=np.bool_)
     for i in range(n):
@@ -603,6 +619,10 @@ def steps_kernel(
         out[5, i] = left + max(alone_steps - 1.0, 0.0) * alone
         out[6, i] = mid_step
         out[7, i] = waiting
+        fixed = table[4, i] + table[5, i] * batch  # `one_step`'s fixed seconds at this batch
+        out[8, i] = alone_steps * fixed
+        out[9, i] = (with_steps - alone_steps) * fixed
+        out[10, i] = max(alone_steps - 1.0, 0.0) * fixed
     return out
 
 

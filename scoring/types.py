@@ -202,9 +202,11 @@ class Prediction:
     the request joins, and `expected_tpot_s` that TPOT as the SLO check expects it (times the decoder's
     learnt TPOT correction; what the route header and the predicted-TPOT metric report).
     `roofline_queue_s` and `roofline_compute_s` are the first two as the roofline has them, before any
-    learnt correction. `rows` names the backends it was made for: a request served by others (a retry,
-    a fallback) teaches nothing with it. Outcomes carry them back so calibration can tell queue from
-    compute (`scoring/outcome.py`, `scoring/calibration.py`); `joined` grows after the plan (see `Joined`).
+    learnt correction, and `roofline_fixed_queue_s` and `roofline_fixed_compute_s` the engine steps'
+    fixed seconds in them, which no correction scales. `rows` names the backends it was made for: a
+    request served by others (a retry, a fallback) teaches nothing with it. Outcomes carry them back so
+    calibration can tell queue from compute (`scoring/outcome.py`, `scoring/calibration.py`); `joined`
+    grows after the plan (see `Joined`).
     """
 
     wait_s: float = 0.0
@@ -215,6 +217,8 @@ class Prediction:
     expected_tpot_s: float = 0.0
     roofline_queue_s: float = 0.0
     roofline_compute_s: float = 0.0
+    roofline_fixed_queue_s: float = 0.0
+    roofline_fixed_compute_s: float = 0.0
     rows: tuple[int, ...] = ()  # the `Candidates` rows it is for: (backend,) or (prefill, decode)
     joined: Joined | None = field(default=None, compare=False)
 

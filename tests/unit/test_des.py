@@ -245,7 +245,8 @@ def test_pd_removes_prefill_interference_from_decode_steps() -> None:
 def test_the_prompt_in_progress_is_counted_by_what_its_plan_predicted_is_left() -> None:
     """The DES keeps the gateway's prefill queue per engine (`Reserved`): legs in plan order, the first
     one dated by its plan's predicted prefill. Every plan sees each engine's reserved prompt tokens less
-    the share of the first that its prediction says is done; every leg leaves the queue by the end."""
+    the share of the first that its prediction says is done (past its predicted end, all but its last
+    chunk); every leg leaves the queue by the end."""
     credited = []
 
     class Checker(Spy):
@@ -257,9 +258,12 @@ def test_the_prompt_in_progress_is_counted_by_what_its_plan_predicted_is_left() 
                     continue
                 head = reserved.prefilling[0]
                 assert head.prefill_s > 0 and reserved.head_tokens == head.prefill_tokens
-                share = min(max(now - reserved.head_since, 0.0) / head.prefill_s, 1.0)
+                share = max(now - reserved.head_since, 0.0) / head.prefill_s
                 long = head.prefill_tokens > DEFAULT_CHUNK_TOKENS  # a shorter one is done with its step
-                want = reserved.prefill_tokens - share * head.prefill_tokens * long
+                # Past its predicted end, all but its last chunk: that one counts until its first token.
+                chunks_before_last = np.ceil(head.prefill_tokens / DEFAULT_CHUNK_TOKENS) - 1
+                done = share * head.prefill_tokens if share < 1 else chunks_before_last * DEFAULT_CHUNK_TOKENS
+                want = reserved.prefill_tokens - done * long
                 assert candidates.prefill_tokens[k] == pytest.approx(want)
                 credited.append(share)
             return super().plan(request, candidates)

@@ -330,7 +330,8 @@ def test_backpressure_cooldown_zero_is_off():
 def test_the_prompt_in_progress_counts_only_what_its_predicted_prefill_has_left():
     """vLLM takes prompts first come, first served, so the first leg still to prefill is the prompt in
     progress. When it is longer than one step's budget (8,192 tokens), the share of it that its predicted
-    prefill seconds say is done since it reached the front is no longer queued; the legs behind it count
+    prefill seconds say is done since it reached the front is no longer queued (past its predicted end it
+    is late, not done: its last chunk counts until its first token); the legs behind it count
     in full until they reach the front. One that fits in a step is done when the step ends: no share."""
     clock = Clock()
     reg, _ = registry(clock)
@@ -344,8 +345,8 @@ def test_the_prompt_in_progress_counts_only_what_its_predicted_prefill_has_left(
     second = reg.reserve(a, LegLoad(12000, 8, 12000, prefill_s=1.0))
     clock.now += 0.5  # the first is half done
     assert queued() == pytest.approx(8000 + 12000)
-    clock.now += 5.0  # past its predicted end: counted done; the second is not at the front yet
-    assert queued() == pytest.approx(12000)
+    clock.now += 5.0  # past its predicted end: its last chunk (16,000 - 8,192) is left until its first token
+    assert queued() == pytest.approx(16000 - 8192 + 12000)
     first.prefill_done()
     clock.now += 0.25  # the second has been at the front since the first was done
     assert queued() == pytest.approx(9000)
