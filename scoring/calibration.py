@@ -79,8 +79,9 @@ class ComputeFit:
 
     def add(self, measured_s: float, compute_s: float, queue_s: float) -> bool:
         """One outcome: `measured_s` for `compute_s` own prefill and `queue_s` ahead (roofline seconds).
-        False when it says nothing (no compute, or a time that is not one)."""
-        if compute_s <= 0 or queue_s < 0 or not np.isfinite(measured_s) or measured_s <= 0:
+        False when it says nothing (no compute, or a time that is not one; 0 is one: the caller's fixed
+        seconds took it all)."""
+        if compute_s <= 0 or queue_s < 0 or not np.isfinite(measured_s) or measured_s < 0:
             return False
         x = np.array([compute_s, queue_s, 1.0])
         # Relative errors (a common factor leaves the fit as it is), by the compute's share (see above).

@@ -471,7 +471,10 @@ class CostRanker(SimpleRanker):
             # The correction scales the roofline's seconds less the steps' fixed ones (`Steps`).
             fixed_q, fixed_c = pred.roofline_fixed_queue_s, pred.roofline_fixed_compute_s
             compute, queue = pred.roofline_compute_s - fixed_c, pred.roofline_queue_s - fixed_q + joined
-            if self._fit(backend).add(outcome.ttft_s - fixed_q - fixed_c, compute, queue):
+            # Faster than even the fixed seconds (a backend far faster than its roofline says): it is
+            # still an outcome, of no scalable seconds at all.
+            measured = max(outcome.ttft_s - fixed_q - fixed_c, 0.0)
+            if self._fit(backend).add(measured, compute, queue):
                 self._refresh_compute_factors()
         if outcome.leg is not Leg.PREFILL and outcome.tpot_s > 0 and pred.tpot_s > 0:
             self._learn_tpot(outcome.backend_id, outcome.tpot_s, pred.tpot_s)

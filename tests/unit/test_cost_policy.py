@@ -370,6 +370,20 @@ def test_the_correction_scales_the_roofline_less_the_steps_fixed_seconds(deepsee
     assert ranker.predicted_ttft(short, cluster()) == pytest.approx(truth, rel=0.02)
 
 
+def test_a_backend_faster_than_the_steps_fixed_seconds_still_teaches(deepseek):
+    """A prompt measured in less than the fixed seconds of its step (a backend far faster than its
+    roofline) is an outcome of no scalable seconds: the correction falls to its lower clip, as it did
+    when the fixed seconds were scaled with the rest, instead of the outcome being dropped."""
+    router = build_router("cost", model=deepseek)
+    request = RequestFeatures("m", prompt_tokens=160, max_tokens=6)
+    for _ in range(3):
+        plan = router.plan(request, cluster())
+        assert plan.predicted is not None and plan.predicted.roofline_fixed_compute_s > 0.002
+        backend = ("mi300x-0", "mi308x-0")[plan.aggregated[0]]
+        router.observe(Outcome(backend, Mode.AGGREGATED, 160, 0, 6, 0.002, 0.003, predicted=plan.predicted))
+    assert min(router.ranker.correction(b) for b in ("mi300x-0", "mi308x-0")) == pytest.approx(0.1)
+
+
 def test_plans_are_ordered_cheap_tier_then_feasible_then_infeasible_each_by_finish():
     rows = np.array([10, 11, 12, 13])
     cost, finish = np.array([1.0, 1.2, 3.0, 0.5]), np.array([5.0, 4.0, 1.0, 0.1])
