@@ -85,7 +85,7 @@ from scoring.cost import (
     kv_transfer_time,
 )
 from scoring.jit import kernel
-from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel, steps_kernel
+from scoring.load import DEFAULT_CHUNK_TOKENS, WorkModel, corrected, steps_kernel
 from scoring.router import Rotation, SimpleRanker, SplitSettings, rotated
 from scoring.slo_plan import Servers
 from scoring.types import (
@@ -319,9 +319,9 @@ class CostRanker(SimpleRanker):
             # every plan looks late).
             fastest = cl.fastest_prefill
             fixed = fastest.overhead_s  # one step's, which the correction does not scale (`Steps`)
-            unloaded = fastest(prompt, 0.5 * prompt * (prompt + 1), 0, 0) - fixed
+            unloaded = fastest(prompt, 0.5 * prompt * (prompt + 1), 0, 0)
             k = float(cl.compute_factor[cl.fastest_prefill_row])
-            ttft = self.slo.ttft_factor * (unloaded * k + fixed)
+            ttft = self.slo.ttft_factor * corrected(k, unloaded, fixed)
         if tpot is None:
             tpot = self.slo.tpot_factor * cl.fastest_decode(0, 0, 1, prompt + 1)
         return ttft, tpot
@@ -766,9 +766,8 @@ def _price_rows(
                      prefill_tokens, prefill_len, step_tokens, elapsed, step_behind)  # fmt: skip
     rows = np.empty((_PRICED_ROWS, n))
     for i in range(n):
-        # The compute correction scales the roofline's seconds less the steps' fixed ones (`Steps`).
-        fixed_wait, fixed_prefill, fixed_ahead = s[8, i], s[9, i], s[10, i]
-        base, step, queue = s[0, i], s[1, i], k[i] * (s[2, i] - fixed_wait) + fixed_wait
+        fixed_wait, fixed_prefill = s[8, i], s[9, i]
+        base, step, queue = s[0, i], s[1, i], corrected(k[i], s[2, i], fixed_wait)
         # A request that arrives mid-step waits for that step to end (`mid_step`: half a decode step
         # on average where no prefill step is known to be in progress; `wait` has what is left of one
         # that is). Counted for every plan alike, since a split's decode leg waits for step boundaries
@@ -780,7 +779,7 @@ def _price_rows(
         rows[rwait_, i] = s[2, i] + mid_step  # what calibration fits its queue factor on
         rows[rcomp_, i] = s[3, i]
         rows[rfixq_, i], rows[rfixc_, i] = fixed_wait, fixed_prefill  # which it takes off (see `observe`)
-        compute = rows[compute_, i] = k[i] * (s[3, i] - fixed_prefill) + fixed_prefill
+        compute = rows[compute_, i] = corrected(k[i], s[3, i], fixed_prefill)
         # The marginal decode step. A backend's first sequence pays the step's fixed part (weights read,
         # overhead) unless `idle_is_free`: see `choose`.
         decode_cost = rows[dcost_, i] = out * (step - (max(base, fixed_step[i]) if idle_is_free else base))
@@ -793,7 +792,7 @@ def _price_rows(
         # one step: about two steps besides the steps ahead and the transfer. Priced as one step after
         # one chunk, the pair corrections learnt the rest as transfer time (10x, their clip, on the AMD
         # seed cluster's conversations).
-        ahead = k[i] * (s[5, i] - fixed_ahead) + fixed_ahead
+        ahead = corrected(k[i], s[5, i], s[10, i])
         # Not the overhead: a split's decode leg pays its own, which its pair's transfer correction
         # learns as before (priced here as well, it is counted twice; in the simulator that cost the
         # Rubin CPX bursts 10 % of their SLO capacity; docs/policies.md, thirty-seventh pass).

@@ -627,6 +627,13 @@ def steps_kernel(
 
 
 @kernel
+def corrected(k: float, roofline_s: float, fixed_s: float) -> float:
+    """Roofline seconds as a backend with compute correction `k` takes them: the correction scales all
+    but the steps' fixed seconds (`Steps`), which are the engine's, not the hardware's."""
+    return k * (roofline_s - fixed_s) + fixed_s
+
+
+@kernel
 def _step(
     table: np.ndarray, weights: np.ndarray, i: int, tokens: float, pairs: float, batch: float, context: float
 ) -> float:
